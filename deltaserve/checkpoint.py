@@ -1,0 +1,137 @@
+"""Read official safetensors checkpoints: find shards, parse headers, validate names and shapes, then fill
+the model's tensors one at a time (each converted to its target dtype and dropped), so peak memory stays
+near the size of the loaded model."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+INDEX = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and tensor."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = SAFETENSORS_DTYPES[self.dtype].itemsize if self.dtype in SAFETENSORS_DTYPES else 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Tensor metadata of one safetensors file, without reading tensor data. Checks the file is complete."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: shard file is missing") from None
+    except (struct.error, ValueError, UnicodeDecodeError, MemoryError, OverflowError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    data_end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    size, expected = os.path.getsize(file), 8 + length + data_end
+    if size < expected:
+        raise CheckpointError(f"{file}: truncated shard: {size} bytes on disk, its header needs {expected}")
+    return {name: TensorInfo(file, v["dtype"], tuple(v["shape"])) for name, v in header.items()}
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The shard files of a checkpoint directory: from its index, else `model.safetensors`, else any *.safetensors."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory")
+    index = root / INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        return [root / f for f in sorted(set(weight_map.values()))]
+    files = [root / "model.safetensors"] if (root / "model.safetensors").exists() else sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no model.safetensors, {INDEX} or *.safetensors files")
+    return files
+
+
+def scan(path: str | Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint with its file, dtype and shape (headers only)."""
+    tensors: dict[str, TensorInfo] = {}
+    for file in checkpoint_files(path):
+        tensors.update(read_header(file))
+    index = Path(path) / INDEX
+    if index.exists():
+        for name, file in json.loads(index.read_text())["weight_map"].items():
+            if name not in tensors:
+                raise CheckpointError(f"{index}: lists tensor {name} in {file}, but that shard does not hold it")
+    return tensors
+
+
+def _same_shape(found: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Equal up to singleton dimensions (e.g. conv taps stored [C, 1, W] or [C, W])."""
+    return tuple(d for d in found if d != 1) == tuple(d for d in expected if d != 1)
+
+
+def validate(tensors: dict[str, TensorInfo], targets: dict[str, torch.Tensor], root: str | Path) -> None:
+    missing = sorted(set(targets) - set(tensors))
+    if missing:
+        shown = ", ".join(f"{n} (expected shape {list(targets[n].shape)})" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{root}: missing tensor(s) {shown}{more}")
+    unexpected = sorted(set(tensors) - set(targets))
+    if unexpected:
+        shown = ", ".join(f"{n} in {tensors[n].file.name}" for n in unexpected[:5])
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"{root}: unexpected tensor(s) {shown}{more}")
+    for name, target in targets.items():
+        info = tensors[name]
+        if not _same_shape(info.shape, tuple(target.shape)):
+            raise CheckpointError(f"{info.file}: tensor {name} has shape {list(info.shape)}, "
+                                  f"expected {list(target.shape)}")
+        if info.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{info.file}: tensor {name} has unsupported dtype {info.dtype}")
+
+
+@torch.inference_mode()
+def load_into(targets: dict[str, torch.Tensor], path: str | Path, progress: bool | None = None) -> None:
+    """Validate the whole checkpoint against `targets` first, then copy each tensor into its target."""
+    tensors = scan(path)
+    validate(tensors, targets, path)
+    by_file: dict[Path, list[str]] = {}
+    for name in targets:
+        by_file.setdefault(tensors[name].file, []).append(name)
+    bar = tqdm(total=sum(tensors[n].nbytes for n in targets), unit="B", unit_scale=True, desc="loading",
+               disable=None if progress is None else not progress, leave=False)
+    with bar:
+        for file, names in by_file.items():
+            try:
+                with safe_open(file, framework="pt", device="cpu") as f:
+                    for name in names:
+                        target = targets[name]
+                        target.copy_(f.get_tensor(name).reshape(target.shape))
+                        bar.update(tensors[name].nbytes)
+            except CheckpointError:
+                raise
+            except Exception as e:   # safetensors / IO errors surface with the file that caused them
+                raise CheckpointError(f"{file}: failed to read ({type(e).__name__}: {e})") from None

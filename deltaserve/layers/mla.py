@@ -1,0 +1,64 @@
+"""Multi-head latent attention without positional encoding (Kimi Linear's full-attention layers).
+
+The cache holds only the normalised compressed latent c_kv and the shared k_pe per token. Attention runs in
+the absorbed form: W_UK is folded into the query and W_UV applied after attention, so keys and values are
+never expanded per head.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..state import StateView
+from .mlp import param
+from .norm import RMSNorm
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, num_heads: int | None = None):
+        super().__init__()
+        self.layer = layer
+        self.H = num_heads or cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank, self.q_rank = cfg.kv_lora_rank, cfg.q_lora_rank
+        self.scale = cfg.qk_head_dim ** -0.5
+        D, q_out = cfg.hidden_size, self.H * cfg.qk_head_dim
+        # One matmul for what is read from x: q (or its low-rank down projection) | c_kv | k_pe.
+        self.q_width = self.q_rank or q_out
+        self.in_proj = param(self.q_width + self.rank + self.rope, D, dtype=dtype)
+        if self.q_rank:
+            self.q_a_layernorm = RMSNorm(self.q_rank, 1e-6, dtype)
+            self.q_b_proj = param(q_out, self.q_rank, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, dtype)   # eps 1e-6 as the HF code (vLLM uses 1e-5)
+        self.kv_b_proj = param(self.H * (self.nope + self.v_dim), self.rank, dtype=dtype)
+        self.o_proj = param(D, self.H * self.v_dim, dtype=dtype)
+
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        q = self.q_width
+        views = {"kv_a_proj_with_mqa.weight": self.in_proj[q:], "kv_a_layernorm.weight": self.kv_a_layernorm.weight,
+                 "kv_b_proj.weight": self.kv_b_proj, "o_proj.weight": self.o_proj}
+        if self.q_rank:
+            views.update({"q_a_proj.weight": self.in_proj[:q], "q_a_layernorm.weight": self.q_a_layernorm.weight,
+                          "q_b_proj.weight": self.q_b_proj})
+        else:
+            views["q_proj.weight"] = self.in_proj[:q]
+        return views
+
+    def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
+        B, T, _ = x.shape
+        H = self.H
+        q, c, k_pe = F.linear(x, self.in_proj).split([self.q_width, self.rank, self.rope], dim=-1)
+        if self.q_rank:
+            q = F.linear(self.q_a_layernorm(q), self.q_b_proj)
+        q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)            # [B, H, T, 192]
+        latent = torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
+        cache, mask = state.mla(self.layer, latent)                            # [B, L, r + rope], [B, 1, T, L]
+        w_kv = self.kv_b_proj.view(H, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w_kv[:, :self.nope], w_kv[:, self.nope:]
+        query = torch.cat((q[..., :self.nope] @ w_uk, q[..., self.nope:]), dim=-1)   # [B, H, T, r + rope]
+        keys = cache.unsqueeze(1).expand(B, H, *cache.shape[1:])
+        ctx = F.scaled_dot_product_attention(query, keys, keys[..., :self.rank], attn_mask=mask, scale=self.scale)
+        out = (ctx @ w_uv.transpose(-1, -2)).transpose(1, 2).reshape(B, T, H * self.v_dim)
+        return F.linear(out, self.o_proj)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv/ and install deltaserve with its test extra. Idempotent: re-runs only when pyproject.toml changed.
+# The CPU torch wheel is installed first and pinned, so pip never pulls a multi-GB CUDA build.
+# On a GPU machine, install the torch build you need into .venv before running this (TORCH_SPEC="" skips the pin).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_SPEC="${TORCH_SPEC-torch==2.13.0}"
+stamp=".venv/.setup-stamp"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) ${TORCH_SPEC}"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then exit 0; fi
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if [[ -n "$TORCH_SPEC" ]]; then
+  .venv/bin/python -m pip install -q "$TORCH_SPEC"
+  constraint="$(mktemp)"; echo "$TORCH_SPEC" > "$constraint"
+  .venv/bin/python -m pip install -q -c "$constraint" -e ".[test]"
+  rm -f "$constraint"
+else
+  .venv/bin/python -m pip install -q -e ".[test]"
+fi
+echo "$want" > "$stamp"

@@ -1,0 +1,30 @@
+import sys
+
+import pytest
+
+# transformers dispatches KDA to fla's GPU-only Triton kernels when fla is importable; keep it on its torch path.
+sys.modules["fla"] = None
+
+from deltaserve.tiny import make_tiny  # noqa: E402
+
+# Three random configurations covering the config space the parity tests exercise.
+CONFIGS = {
+    "base": {},
+    "qlora_grouped": dict(q_lora_rank=16, num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2,
+                          routed_scaling_factor=1.5, moe_renormalize=False),
+    "mla_first": dict(num_hidden_layers=4, first_k_dense_replace=2, num_shared_experts=2, hidden_size=48,
+                      linear_attn_config={"full_attn_layers": [1, 4], "kda_layers": [2, 3], "head_dim": 32,
+                                          "num_heads": 3, "short_conv_kernel_size": 3}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """name -> checkpoint directory, one per entry of CONFIGS (bf16 on disk, like the official release)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_tiny(root / name, seed=i, **over) for i, (name, over) in enumerate(CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_dirs):
+    return tiny_dirs["base"]

@@ -1,0 +1,68 @@
+"""Equivalent ways to compute the same thing agree: prefill vs decode, chunked vs recurrent, chunk sizes, dtypes."""
+import pytest
+import torch
+
+from deltaserve import LLM
+from deltaserve.ops.delta_rule import delta_rule_chunked, delta_rule_recurrent, l2norm
+from deltaserve.state import StatePool
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, dtype="float32")
+
+
+def prompt(n, seed=0):
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefill_then_decode_equals_full_forward(llm):
+    ids = prompt(130)
+    full = llm.logits(ids)
+    pool = StatePool(llm.cfg, 1, len(ids), torch.float32)
+    stepwise = [llm.model(torch.tensor([ids[:100]]), pool.view([0], [0]))[0]]
+    for t in range(100, len(ids)):
+        stepwise.append(llm.model(torch.tensor([[ids[t]]]), pool.view([0], [t]))[0])
+    assert (torch.cat(stepwise) - full).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 5, 64, 100, 129])
+def test_chunked_delta_rule_equals_recurrent(T):
+    g = torch.Generator().manual_seed(T)
+    B, H, K, V = 2, 3, 16, 8
+    q, k = l2norm(torch.randn(B, T, H, K, generator=g)), l2norm(torch.randn(B, T, H, K, generator=g))
+    v = torch.randn(B, T, H, V, generator=g)
+    decay = -torch.rand(B, T, H, K, generator=g) * 4
+    beta = torch.rand(B, T, H, generator=g)
+    s0 = torch.randn(B, H, K, V, generator=g)
+    o_rec, s_rec = delta_rule_recurrent(q, k, v, decay, beta, s0, K ** -0.5)
+    for chunk in (16, 64):
+        o, s = delta_rule_chunked(q, k, v, decay, beta, s0, K ** -0.5, chunk)
+        assert (o - o_rec).abs().max() <= 1e-5 and (s - s_rec).abs().max() <= 1e-5
+
+
+def test_chunked_delta_rule_is_stable_under_strong_decay():
+    """exp(-cumulative decay) overflows float32 here; the pairwise form must not."""
+    g = torch.Generator().manual_seed(0)
+    q, k = l2norm(torch.randn(1, 64, 2, 8, generator=g)), l2norm(torch.randn(1, 64, 2, 8, generator=g))
+    v, beta, s0 = torch.randn(1, 64, 2, 8, generator=g), torch.rand(1, 64, 2, generator=g), torch.zeros(1, 2, 8, 8)
+    decay = torch.full((1, 64, 2, 8), -50.0)
+    o, s = delta_rule_chunked(q, k, v, decay, beta, s0, 8 ** -0.5, 64)
+    o_rec, _ = delta_rule_recurrent(q, k, v, decay, beta, s0, 8 ** -0.5)
+    assert torch.isfinite(o).all() and (o - o_rec).abs().max() <= 1e-5
+
+
+def test_chunk_sizes_agree(tiny_dir, llm):
+    ids = prompt(150, seed=1)
+    small = LLM(tiny_dir, dtype="float32", chunk_size=16).logits(ids)
+    assert (small - llm.logits(ids)).abs().max() <= 1e-4
+
+
+def test_bfloat16_is_finite_and_close_to_float32(tiny_dir, llm):
+    ids = prompt(90, seed=2)
+    ref = llm.logits(ids)
+    bf16 = LLM(tiny_dir, dtype="bfloat16").logits(ids)
+    assert bf16.dtype == torch.float32 and torch.isfinite(bf16).all()
+    # Max error is dominated by the odd router flip (transformers' own bf16 shows the same); judge the bulk.
+    assert (bf16 - ref).abs().mean() <= 0.1 * ref.abs().mean()   # transformers: 8.5%, ours: 6.4%
+    assert (bf16.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
