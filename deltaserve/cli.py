@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
     from .tiny import make_tiny
-    path = make_tiny(args.dst, seed=args.seed, dtype=args.dtype)
+    path = make_tiny(args.dst, seed=args.seed, dtype=args.dtype, preset=args.preset,
+                     shards=4 if args.preset == "bench" else 2)
     print(f"wrote a random Kimi Linear checkpoint to {path}")
 
 
@@ -21,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "bench"], help="bench: hidden 1024, 12 layers, 32 experts")
     p.set_defaults(func=cmd_make_tiny)
     return parser
 

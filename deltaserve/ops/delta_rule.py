@@ -34,10 +34,39 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return torch.cat(out, dim=-2).transpose(1, 2), state
 
 
+def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int = 16
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A[r, j] = sum_d x_r[d] k_j[d] exp(G_r[d] - G_j[d]) for j <= r (else 0), for x = k and x = q.
+
+    q, k, G: [..., C, K] with G the inclusive cumulative log-decay. exp(-G_j) alone overflows float32 under
+    strong decay, so (as fla's kernels do) the chunk is cut into sub-chunks of `sub` rows: a block of rows i
+    meets earlier columns through a matmul via the reference point R = G at the end of sub-chunk i-1, where
+    exp(G_r - R) <= 1 and exp(R - G_j) <= 1; only the diagonal blocks are formed pairwise.
+    """
+    *batch, C, K = k.shape
+    sub = sub if C % sub == 0 else C
+    n = C // sub
+    blocks = lambda x: x.reshape(*batch, n, sub, K)
+    ref = torch.cat((torch.zeros_like(G[..., :1, :]), G[..., sub - 1:C - 1:sub, :]), dim=-2)   # [..., n, K]
+    row_decay = (blocks(G) - ref.unsqueeze(-2)).exp()                                            # [..., n, sub, K]
+    rows = torch.stack((blocks(k) * row_decay, blocks(q) * row_decay))                          # [2, ..., n, sub, K]
+    earlier = torch.arange(C, device=k.device) < torch.arange(n, device=k.device)[:, None] * sub  # [n, C]
+    col_log = (ref.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~earlier[..., None], float("-inf"))
+    cols = col_log.exp_().mul_(k.unsqueeze(-3))                                                  # [..., n, C, K]
+    scores = (rows @ cols.transpose(-1, -2)).reshape(2, *batch, C, C)                            # off-diagonal blocks
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
+    pair_log = (blocks(G).unsqueeze(-2) - blocks(G).unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
+    pair = pair_log.exp_().mul_(blocks(k).unsqueeze(-3))                                         # [..., n, r, j, K]
+    diag = pair @ torch.stack((blocks(k), blocks(q)), -1)                                        # [..., n, r, j, 2]
+    on_diag = torch.diagonal(scores.view(2, *batch, n, sub, n, sub), dim1=-4, dim2=-2)           # [2, ..., sub, sub, n]
+    on_diag.add_(diag.movedim(-1, 0).movedim(-3, -1))
+    return scores[0], scores[1]
+
+
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, scale: float, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunks of `chunk_size` tokens: within a chunk everything is matrix algebra (the WY representation,
-    one triangular solve); only the chunk-to-chunk state hand-over is a Python loop."""
+    """Chunks of `chunk_size` tokens: within a chunk everything is matrix algebra (the WY representation, one
+    triangular solve), done for all chunks at once; only the chunk-to-chunk state hand-over is a Python loop."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = chunk_size
@@ -49,26 +78,19 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
             x = torch.nn.functional.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
         return x.reshape(B, H, -1, C, *x.shape[3:])
     q, k, v, g, beta = split(q) * scale, split(k), split(v), split(g), split(beta)
-    G = g.cumsum(-2)                                                  # inclusive log-decay within the chunk
-    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-    eye = torch.eye(C, dtype=torch.float32, device=k.device)
+    G = g.cumsum(-2)                                                  # inclusive log-decay within each chunk
+    A_kk, A_qk = intra_chunk_scores(q, k, G)                          # [B, H, n, C, C]
+    # UT transform: (I + tril(beta_r A_kk, -1))^-1 applied to beta*exp(G)*k and beta*v together.
+    lower = torch.eye(C, device=k.device) + (beta.unsqueeze(-1) * A_kk).tril(-1)
+    wu = torch.linalg.solve_triangular(lower, beta.unsqueeze(-1) * torch.cat((G.exp() * k, v), -1),
+                                       upper=False, unitriangular=True)
+    w, u = wu[..., :K], wu[..., K:]
+    G_last = G[..., -1:, :]                                           # [B, H, n, 1, K]
+    q_decayed, k_to_end, end_decay = q * G.exp(), (G_last - G).exp() * k, G_last.transpose(-1, -2).exp()
     state = state.float().clone()
     out = torch.empty(B, H, G.shape[2], C, V, dtype=torch.float32, device=k.device)
     for c in range(G.shape[2]):
-        q_c, k_c, v_c, G_c, b_c = q[:, :, c], k[:, :, c], v[:, :, c], G[:, :, c], beta[:, :, c]
-        # decay[r, j, d] = exp(G_r[d] - G_j[d]) for j <= r, formed pairwise: exp(-G_j) alone can overflow.
-        decay = (G_c.unsqueeze(-2) - G_c.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf")).exp_()
-        kd = decay.mul_(k_c.unsqueeze(-3))                            # [B, H, r, j, K]: decayed keys k_j
-        scores = kd @ torch.stack((k_c, q_c), -1)                     # [B, H, r, j, 2]: <k_r|k_j>, <q_r|k_j>
-        A_kk, A_qk = scores[..., 0], scores[..., 1]                   # lower-triangular, diagonal included
-        # UT transform: (I + tril(beta_r A_kk, -1))^-1 applied to beta*exp(G)*k and beta*v together.
-        lower = eye + (b_c.unsqueeze(-1) * A_kk).tril(-1)
-        rhs = b_c.unsqueeze(-1) * torch.cat((G_c.exp() * k_c, v_c), -1)
-        wu = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-        w, u = wu[..., :K], wu[..., K:]
-        v_new = u - w @ state                                         # pseudo-values against the entering state
-        out[:, :, c] = (q_c * G_c.exp()) @ state + A_qk @ v_new
-        G_last = G_c[..., -1:, :]                                     # [B, H, 1, K]
-        state = state * G_last.transpose(-1, -2).exp() + ((G_last - G_c).exp() * k_c).transpose(-1, -2) @ v_new
-    out = out.reshape(B, H, -1, V)[:, :, :T].transpose(1, 2)
-    return out, state
+        v_new = u[:, :, c] - w[:, :, c] @ state                       # pseudo-values against the entering state
+        out[:, :, c] = q_decayed[:, :, c] @ state + A_qk[:, :, c] @ v_new
+        state = state * end_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+    return out.reshape(B, H, -1, V)[:, :, :T].transpose(1, 2), state
