@@ -17,15 +17,18 @@ from .config import ModelConfig
 
 @dataclass
 class Snapshot:
-    """An exact copy of one slot's state after `length` tokens (same dtypes, so restoring is bit-identical)."""
+    """An exact copy of one slot's state after `length` tokens (same dtypes, so restoring is bit-identical),
+    with the logits at its last position, so a request that adds nothing can sample without recomputing."""
     length: int
     conv: dict[int, torch.Tensor]
     recurrent: dict[int, torch.Tensor]
     latent: dict[int, torch.Tensor]
+    logits: torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.conv, self.recurrent, self.latent) for t in d.values())
+        tensors = [*self.conv.values(), *self.recurrent.values(), *self.latent.values(), self.logits]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class StatePool:
@@ -49,11 +52,12 @@ class StatePool:
         for t in (*self.conv.values(), *self.recurrent.values()):
             t[slot].zero_()
 
-    def snapshot(self, slot: int, length: int) -> Snapshot:
+    def snapshot(self, slot: int, length: int, logits: torch.Tensor) -> Snapshot:
         return Snapshot(length,
                         {i: t[slot].clone() for i, t in self.conv.items()},
                         {i: t[slot].clone() for i, t in self.recurrent.items()},
-                        {i: t[slot, :length].clone() for i, t in self.latent.items()})
+                        {i: t[slot, :length].clone() for i, t in self.latent.items()},
+                        logits.clone())
 
     def restore(self, slot: int, snap: Snapshot) -> None:
         for i, t in self.conv.items():
@@ -63,10 +67,6 @@ class StatePool:
         for i, t in self.latent.items():
             t[slot, :snap.length].copy_(snap.latent[i])
 
-    def snapshot_bytes(self, length: int) -> int:
-        """Size of a snapshot after `length` tokens."""
-        per_slot = sum(t[0].numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
-        return per_slot + sum(t.shape[-1] * t.element_size() * length for t in self.latent.values())
 
 
 class StateView:

@@ -1,0 +1,243 @@
+"""The engine: requests, the scheduler (chunked prefill interleaved with batched decode), prefix reuse, warmup.
+
+Each step runs at most one prefill chunk (for the oldest request still reading its prompt) and one decode
+step for every request that is generating. A request owns a state slot from admission to finish; on
+admission it restores the longest cached snapshot that is a prefix of its prompt, and it leaves snapshots
+at its prompt boundary and at its end. The engine sees token ids and logits, never layer math.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .models.kimi_linear import KimiLinearForCausalLM
+from .prefix_cache import PrefixCache
+from .sampling import Sampler, SamplingParams, StopStrings
+from .state import StatePool
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; nothing was changed."""
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    sampler: Sampler
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    computed: int = 0                 # tokens whose effect is in the slot's state
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    text: str = ""                    # emitted text (stop strings excluded)
+    decoder: IncrementalDecoder | None = None
+    stops: StopStrings | None = None
+    pending: str = ""                 # decoded text held back while it may still become a stop string
+    last_logits: torch.Tensor | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    prefill_done_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass
+class Update:
+    """What one step produced for one request."""
+    request: Request
+    token_ids: list[int]
+    text: str
+    finished: bool
+
+
+class Engine:
+    def __init__(self, model: KimiLinearForCausalLM, tokenizer: Tokenizer | None, max_model_len: int,
+                 max_num_seqs: int = 8, prefill_tokens: int = 256, prefix_cache_bytes: int = 1 << 30):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        chunk = model.chunk_size
+        self.prefill_tokens = max(chunk, prefill_tokens // chunk * chunk)   # whole delta-rule chunks per step
+        self.device = next(model.parameters()).device
+        self.pool = StatePool(model.cfg, max_num_seqs, max_model_len, model.dtype, self.device)
+        self.cache = PrefixCache(prefix_cache_bytes)
+        self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else model.cfg.eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()                 # add_request / abort may come from other threads
+        self._ids = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Queue a request. Raises RequestError, changing nothing, if it cannot be served."""
+        vocab = self.model.cfg.vocab_size
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt)} tokens, but the context is {self.max_model_len}")
+        room = self.max_model_len - len(prompt)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestError(f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
+                               f"together {len(prompt) + params.max_tokens}, more than the context of "
+                               f"{self.max_model_len} tokens")
+        request = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, params.max_tokens or room,
+                          Sampler(params, self.device))
+        if self.tokenizer is not None:
+            request.decoder = IncrementalDecoder(self.tokenizer)
+            request.stops = StopStrings(params.stop)
+        with self._lock:
+            self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step and free its slot (a client went away)."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def step(self) -> list[Update]:
+        updates: list[Update] = []
+        self._apply_aborts(updates)
+        self._admit(updates)
+        prefilling = next((r for r in self.running if r.status == Status.PREFILL), None)
+        if prefilling is not None:
+            self._prefill_chunk(prefilling, updates)
+        decoding = [r for r in self.running if r.status == Status.DECODE]
+        if decoding:
+            self._decode(decoding, updates)
+        return updates
+
+    def _apply_aborts(self, updates: list[Update]) -> None:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            for r in [r for r in self.waiting if r.id in aborts]:
+                self.waiting.remove(r)
+                r.status, r.finish_reason = Status.FINISHED, "abort"
+                updates.append(Update(r, [], "", True))
+        for r in [r for r in self.running if r.id in aborts]:
+            r.finish_reason = "abort"
+            self._release(r)
+            updates.append(Update(r, [], "", True))
+
+    def _admit(self, updates: list[Update]) -> None:
+        while self.free_slots:
+            with self._lock:
+                if not self.waiting:
+                    return
+                r = self.waiting.popleft()
+            r.slot = self.free_slots.pop()
+            self.running.append(r)
+            snap = self.cache.match(r.prompt)
+            if snap is None:
+                self.pool.reset(r.slot)
+                r.status = Status.PREFILL
+                continue
+            self.pool.restore(r.slot, snap)
+            r.computed = r.num_cached_tokens = snap.length
+            if snap.length < len(r.prompt):
+                r.status = Status.PREFILL
+            else:                                        # the whole prompt was seen before: sample directly
+                r.status, r.prefill_done_at = Status.DECODE, time.perf_counter()
+                self._accept(r, r.sampler(snap.logits), updates)
+
+    def _prefill_chunk(self, r: Request, updates: list[Update]) -> None:
+        chunk = r.prompt[r.computed:r.computed + self.prefill_tokens]
+        tokens = torch.tensor([chunk], device=self.device)
+        logits = self.model(tokens, self.pool.view([r.slot], [r.computed]), last_only=True)[0]
+        r.computed += len(chunk)
+        if r.computed == len(r.prompt):
+            self.cache.insert(r.prompt, self.pool.snapshot(r.slot, r.computed, logits))
+            r.status, r.prefill_done_at = Status.DECODE, time.perf_counter()
+            self._accept(r, r.sampler(logits), updates)
+
+    def _decode(self, batch: list[Request], updates: list[Update]) -> None:
+        tokens = torch.tensor([[r.output[-1]] for r in batch], device=self.device)
+        view = self.pool.view([r.slot for r in batch], [r.computed for r in batch])
+        logits = self.model(tokens, view, last_only=True)
+        for r, row in zip(batch, logits):
+            r.computed += 1
+            r.last_logits = row
+            self._accept(r, r.sampler(row), updates)
+
+    # ---- outputs -----------------------------------------------------------------------------------------
+    def _accept(self, r: Request, token: int, updates: list[Update]) -> None:
+        """Append a sampled token, decode text, and decide whether the request is done."""
+        if r.first_token_at is None:
+            r.first_token_at = time.perf_counter()
+        r.output.append(token)
+        stop_token = (token in self.eos_ids and not r.params.ignore_eos) or token in r.params.stop_token_ids
+        text, hit_stop = "", False
+        if r.decoder is not None:
+            if not stop_token:
+                r.pending += r.decoder.push(token)
+            final = stop_token or len(r.output) >= r.max_tokens or len(r.tokens) >= self.max_model_len
+            if final:
+                r.pending += r.decoder.flush()
+            text, hit_stop = r.stops.split(r.pending, final)
+            r.pending = r.pending[len(text):]
+            r.text += text
+        if stop_token or hit_stop:
+            r.finish_reason = "stop"
+        elif len(r.output) >= r.max_tokens or len(r.tokens) >= self.max_model_len:
+            r.finish_reason = "length"
+        if r.finish_reason is not None:
+            self._finish(r)
+        updates.append(Update(r, [token], text, r.finish_reason is not None))
+
+    def _finish(self, r: Request) -> None:
+        # The last sampled token was never fed; the state holds tokens[:computed]. Keep it for continuations.
+        if r.computed > len(r.prompt):
+            self.cache.insert(r.tokens[:r.computed], self.pool.snapshot(r.slot, r.computed, r.last_logits))
+        self._release(r)
+
+    def _release(self, r: Request) -> None:
+        r.status, r.finished_at = Status.FINISHED, time.perf_counter()
+        self.running.remove(r)
+        self.free_slots.append(r.slot)
+
+    # ---- helpers -----------------------------------------------------------------------------------------
+    def run(self, requests: list[Request]) -> None:
+        """Step until all of `requests` have finished."""
+        while any(r.status != Status.FINISHED for r in requests):
+            self.step()
+
+    def warmup(self) -> None:
+        """Run every path a request can take (prefill chunks at position 0 and later, a prompt tail, decode at
+        every batch size up to max_num_seqs, greedy and sampled, snapshot and full and partial restore), then
+        forget the warmup's cache entries."""
+        n = min(2 * self.prefill_tokens + 3, self.max_model_len - self.max_num_seqs - 8)
+        prompt = [i % self.model.cfg.vocab_size for i in range(1, n + 1)]
+        greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, seed=0, ignore_eos=True)
+        self.run([self.add_request(prompt, greedy), self.add_request(prompt, sampled)])    # fresh, then full hit
+        self.run([self.add_request(prompt + [1, 2], greedy)])                               # partial restore
+        many = SamplingParams(max_tokens=self.max_num_seqs + 2, temperature=0.0, ignore_eos=True)
+        self.run([self.add_request([i + 1, i + 2], many) for i in range(self.max_num_seqs)])  # decode at B = 1..max
+        self.cache.clear()

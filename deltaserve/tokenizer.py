@@ -1,0 +1,125 @@
+"""Tokenizers: Kimi's tiktoken BPE (`tiktoken.model` + `tokenizer_config.json`), or `tokenizer.json` through
+HF `tokenizers`; plus incremental detokenization that never emits half a UTF-8 character."""
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+# Kimi's pre-tokenizer (tokenization_kimi.py); `&&` class intersection needs tiktoken's fancy-regex engine.
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class Tokenizer:
+    """Text <-> ids for one checkpoint, with its special tokens, stop ids and chat template."""
+
+    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()):
+        root = Path(path)
+        self.config: dict[str, Any] = _read_json(root / "tokenizer_config.json") or {}
+        if (root / "tiktoken.model").exists():
+            self._init_tiktoken(root / "tiktoken.model")
+        elif (root / "tokenizer.json").exists():
+            self._init_hf(root / "tokenizer.json")
+        else:
+            raise TokenizerError(f"{root}: no tokenizer (expected tiktoken.model or tokenizer.json)")
+        generation = _read_json(root / "generation_config.json") or {}
+        extra = generation.get("eos_token_id")
+        extra = extra if isinstance(extra, list) else [extra] if extra is not None else []
+        self.eos_token_ids = tuple(dict.fromkeys([*eos_token_ids, *extra]))
+        self.chat_template = self._find_template(root)
+
+    def _init_tiktoken(self, file: Path) -> None:
+        import tiktoken
+        ranks: dict[bytes, int] = {}
+        for line in file.read_bytes().splitlines():
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+        named = {int(i): t["content"] for i, t in self.config.get("added_tokens_decoder", {}).items()}
+        # The special block: the named ids and the reserved ones between them (Kimi: 256 ids after the ranks).
+        block = range(min(named), max(named) + 1) if named else range(len(ranks), len(ranks) + 256)
+        specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in block}
+        self._enc = tiktoken.Encoding(name=file.parent.name or "kimi", pat_str=KIMI_PAT_STR,
+                                      mergeable_ranks=ranks, special_tokens=specials)
+        self.special_ids = set(specials.values())
+        self._token_to_id = specials
+        self._ordinary = range(len(ranks))
+        self._encode = lambda text: self._enc.encode(text, allowed_special="all")
+        self._decode = lambda ids: self._enc.decode(ids)
+
+    def _init_hf(self, file: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+        self._hf = HFTokenizer.from_file(str(file))
+        self.special_ids = {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+        self._token_to_id = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items()}
+        self._ordinary = range(self._hf.get_vocab_size(with_added_tokens=True))
+        self._encode = lambda text: self._hf.encode(text, add_special_tokens=False).ids
+        self._decode = lambda ids: self._hf.decode(ids, skip_special_tokens=False)
+
+    def _find_template(self, root: Path) -> str | None:
+        if (root / "chat_template.jinja").exists():
+            return (root / "chat_template.jinja").read_text()
+        template = self.config.get("chat_template")
+        if isinstance(template, list):     # [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+
+    def token_id(self, text: str) -> int | None:
+        return self._token_to_id.get(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Special-token text becomes special ids, as Kimi's tokenizer does; no BOS is added."""
+        return self._encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # ids the vocabulary lacks (a random model can sample them) decode to nothing
+        keep = [i for i in ids if (i in self.special_ids and not skip_special_tokens) or i in self._ordinary]
+        return self._decode(keep)
+
+
+class IncrementalDecoder:
+    """Turns a stream of ids into text pieces. A piece is emitted only once the bytes decode to whole
+    characters, and text is always decoded from a window starting at a clean boundary."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
+def _read_json(file: Path) -> dict[str, Any] | None:
+    if not file.exists():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{file}: not valid JSON ({e})") from None

@@ -1,0 +1,128 @@
+"""Generation: parity with transformers' greedy generate, exact prefix reuse, batching, sampling, stopping."""
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.engine import RequestError, Status
+
+from conftest import CONFIGS
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def prompt(n, seed=0):
+    return torch.randint(3, 470, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, dtype="float32", prefill_tokens=64)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generate_equals_transformers(tiny_dirs, name):
+    from transformers import KimiLinearForCausalLM
+    ids = prompt(170, seed=3)
+    ref = KimiLinearForCausalLM.from_pretrained(tiny_dirs[name], dtype=torch.float32).eval()
+    expected = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                            min_new_tokens=12)[0, len(ids):].tolist()
+    ours = LLM(tiny_dirs[name], dtype="float32", prefill_tokens=64).generate([ids], GREEDY)[0]
+    assert ours.token_ids == expected and ours.finish_reason == "length"
+
+
+def test_continuation_reuses_prefix_and_matches_fresh_run(tiny_dir, llm):
+    first = llm.generate([prompt(150)], GREEDY)[0]
+    follow_up = prompt(150) + first.token_ids + prompt(20, seed=9)
+    reused = llm.generate([follow_up], GREEDY)[0]
+    fresh = LLM(tiny_dir, dtype="float32", prefill_tokens=64).generate([follow_up], GREEDY)[0]
+    # the end-of-generation snapshot: prompt + all generated tokens but the last, which was never fed
+    assert reused.num_cached_tokens == 150 + len(first.token_ids) - 1
+    assert fresh.num_cached_tokens == 0
+    assert reused.token_ids == fresh.token_ids
+
+
+def test_prompt_boundary_snapshot_serves_an_edited_reply(llm):
+    base = prompt(120, seed=4)
+    llm.generate([base], GREEDY)
+    edited = base + [5, 6, 7]                        # the reply was re-rendered differently: only the prompt matches
+    assert llm.generate([edited], GREEDY)[0].num_cached_tokens == 120
+
+
+def test_divergent_prompt_never_uses_a_partial_snapshot(tiny_dir, llm):
+    base = prompt(140, seed=5)
+    llm.generate([base], GREEDY)
+    divergent = base[:100] + prompt(60, seed=6)
+    out = llm.generate([divergent], GREEDY)[0]
+    fresh = LLM(tiny_dir, dtype="float32", prefill_tokens=64).generate([divergent], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == fresh.token_ids
+
+
+def test_identical_prompt_is_served_from_the_snapshot_alone(llm):
+    ids = prompt(90, seed=7)
+    a = llm.generate([ids], GREEDY)[0]
+    b = llm.generate([ids], GREEDY)[0]
+    assert b.num_cached_tokens == 90 and b.token_ids == a.token_ids
+
+
+def test_batched_requests_equal_each_alone(tiny_dir):
+    prompts = [prompt(130, seed=10), prompt(45, seed=11), prompt(200, seed=12)]
+    alone = [LLM(tiny_dir, dtype="float32", prefill_tokens=64).generate([p], GREEDY)[0].token_ids for p in prompts]
+    batched = LLM(tiny_dir, dtype="float32", prefill_tokens=64).generate(prompts, GREEDY)
+    assert [o.token_ids for o in batched] == alone
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a = llm.generate([prompt(30, seed=13)], params)[0].token_ids
+    b = llm.generate([prompt(30, seed=13), prompt(50, seed=14)], params)[0].token_ids
+    other = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
+    c = llm.generate([prompt(30, seed=13)], other)[0].token_ids
+    assert a == b and a != c
+
+
+def test_finish_reasons(tiny_dir):
+    llm = LLM(tiny_dir, dtype="float32")
+    ids = prompt(40, seed=15)
+    free = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 16
+    stop_id = free.token_ids[5]
+    by_id = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop_id]))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+    with_eos = LLM(tiny_dir, dtype="float32", hf_overrides={"eos_token_id": stop_id})
+    by_eos = with_eos.generate([ids], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert by_eos.finish_reason == "stop" and by_eos.token_ids[-1] == stop_id
+    stop_text = free.text[4:7]
+    by_text = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, stop=[stop_text]))[0]
+    assert by_text.finish_reason == "stop" and by_text.text == free.text[:free.text.index(stop_text)]
+
+
+def test_rejected_requests_change_nothing(llm):
+    engine = llm.engine
+    with pytest.raises(RequestError, match="the prompt has 4000 tokens and max_tokens is 200: together 4200"):
+        engine.add_request([5] * 4000, SamplingParams(max_tokens=200))
+    with pytest.raises(RequestError, match="the prompt has 4096 tokens, but the context is 4096"):
+        engine.add_request([5] * 4096, SamplingParams())
+    with pytest.raises(RequestError, match="integers in"):
+        engine.add_request([5, 100000], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    assert not engine.waiting and not engine.running
+
+
+def test_abort_frees_the_slot(llm):
+    engine = llm.engine
+    r = engine.add_request(prompt(100, seed=16), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort(r.id)
+    engine.step()
+    assert r.status == Status.FINISHED and r.finish_reason == "abort"
+    assert len(engine.free_slots) == engine.max_num_seqs and not engine.running
+
+
+def test_warmup_leaves_results_unchanged(tiny_dir):
+    ids = prompt(100, seed=17)
+    cold = LLM(tiny_dir, dtype="float32").generate([ids], GREEDY)[0]
+    warm_llm = LLM(tiny_dir, dtype="float32", warmup=True)
+    assert warm_llm.engine.cache.entries == 0 and len(warm_llm.engine.free_slots) == warm_llm.engine.max_num_seqs
+    assert warm_llm.generate([ids], GREEDY)[0].token_ids == cold.token_ids
