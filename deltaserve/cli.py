@@ -2,7 +2,95 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
+
+def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    if optional:
+        p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
+                       help="checkpoint directory (default: the small random model shipped in the package)")
+    else:
+        p.add_argument("model", help="checkpoint directory (official Hugging Face layout)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=64, help="delta-rule chunk (tokens); part of the numerics")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--hf-overrides", type=json.loads, default=None, help="JSON merged into config.json")
+
+
+def load_llm(args: argparse.Namespace, warmup: bool = False):
+    from .llm import LLM
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               chunk_size=args.chunk_size, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
+               prefix_cache_bytes=args.prefix_cache_bytes, warmup=warmup)
+
+
+def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, float]]:
+    """Generate, printing text as it comes; returns the tokens, text and timing stats."""
+    engine = llm.engine
+    r = engine.add_request(prompt, params)
+    t0 = time.perf_counter()
+    while r.finish_reason is None:
+        for u in engine.step():
+            if u.request is r and u.text:
+                print(u.text, end="", flush=True)
+    prefill_s = r.first_token_at - t0
+    decode_s = r.finished_at - r.first_token_at
+    stats = {"cached": r.num_cached_tokens, "new": len(prompt) - r.num_cached_tokens,
+             "prefill_tok_s": (len(prompt) - r.num_cached_tokens) / prefill_s if prefill_s > 0 else 0.0,
+             "decode_tok_s": (len(r.output) - 1) / decode_s if decode_s > 0 and len(r.output) > 1 else 0.0,
+             "out": len(r.output)}
+    return r.output, r.text, stats
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from .sampling import SamplingParams
+    llm = load_llm(args)
+    text = llm.template.render([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    stream(llm, llm.encode(text), params)
+    print()
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from .sampling import SamplingParams
+    llm = load_llm(args, warmup=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("deltaserve chat: type a message, Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = llm.encode(llm.template.render(messages))
+        _, text, s = stream(llm, prompt, params)
+        print()
+        print(f"[in: {s['cached']} cached + {s['new']} new, prefill {s['prefill_tok_s']:.0f} tok/s, "
+              f"decode {s['decode_tok_s']:.0f} tok/s, out: {s['out']}]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": text})
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from .bench import format_bench, run_bench
+    t0 = time.perf_counter()
+    llm = load_llm(args, warmup=True)
+    result = run_bench(llm, time.perf_counter() - t0, args.prompt_tokens, args.decode_tokens, args.batch)
+    print(json.dumps(result, indent=2) if args.json else format_bench(result))
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
@@ -16,6 +104,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description="Serve hybrid linear-attention LLMs (Kimi Linear).")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user message")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
+    add_model_args(p, optional=True)
+    p.add_argument("--system", default=None)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="measure load, prefill, decode and prefix-reuse speed")
+    add_model_args(p)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("make-tiny", help="write a random-weight checkpoint in the official layout")
     p.add_argument("dst")
     p.add_argument("--seed", type=int, default=0)
@@ -26,12 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .chat import ChatTemplateError
     from .checkpoint import CheckpointError
     from .config import ConfigError
+    from .engine import RequestError
+    from .tokenizer import TokenizerError
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (CheckpointError, ConfigError, FileExistsError) as e:
+    except (CheckpointError, ConfigError, TokenizerError, RequestError, ChatTemplateError, ValueError) as e:
         print(f"deltaserve: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -34,6 +34,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     with torch.device(device):
         model = KimiLinearForCausalLM(cfg, resolve_dtype(dtype, cfg), chunk_size)
     load_into(model.checkpoint_map(), path, progress)
+    for module in model.modules():
+        if hasattr(module, "finalize"):
+            module.finalize()
     return model.eval()
 
 

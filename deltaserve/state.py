@@ -81,12 +81,14 @@ class StateView:
         self._mask: tuple[int, torch.Tensor, int] | None = None
 
     def kda(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv window [B, W-1, 3P], recurrent state [B, H, K, V]) for reading."""
+        """(conv window [B, W-1, 3P], recurrent state [B, H, K, V]): views of the pool when the slots are
+        contiguous (updates in place land directly), else gathered copies; either way, hand back via set_kda."""
         return self.pool.conv[layer][self.rows], self.pool.recurrent[layer][self.rows]
 
     def set_kda(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        self.pool.conv[layer][self.rows] = conv
-        self.pool.recurrent[layer][self.rows] = recurrent
+        for pool, new in ((self.pool.conv[layer], conv), (self.pool.recurrent[layer], recurrent)):
+            if not (isinstance(self.rows, slice) and new.data_ptr() == pool[self.rows].data_ptr()):
+                pool[self.rows] = new
 
     def mla(self, layer: int, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append latents [B, T, C] at each row's position; return (cache [B, L, C], attend mask [B, 1, T, L])."""

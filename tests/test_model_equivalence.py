@@ -35,7 +35,7 @@ def test_chunked_delta_rule_equals_recurrent(T):
     decay = -torch.rand(B, T, H, K, generator=g) * 4
     beta = torch.rand(B, T, H, generator=g)
     s0 = torch.randn(B, H, K, V, generator=g)
-    o_rec, s_rec = delta_rule_recurrent(q, k, v, decay, beta, s0, K ** -0.5)
+    o_rec, s_rec = delta_rule_recurrent(q, k, v, decay, beta, s0.clone(), K ** -0.5)
     for chunk in (16, 64):
         o, s = delta_rule_chunked(q, k, v, decay, beta, s0, K ** -0.5, chunk)
         assert (o - o_rec).abs().max() <= 1e-5 and (s - s_rec).abs().max() <= 1e-5
@@ -48,7 +48,7 @@ def test_chunked_delta_rule_is_stable_under_strong_decay():
     v, beta, s0 = torch.randn(1, 64, 2, 8, generator=g), torch.rand(1, 64, 2, generator=g), torch.zeros(1, 2, 8, 8)
     decay = torch.full((1, 64, 2, 8), -50.0)
     o, s = delta_rule_chunked(q, k, v, decay, beta, s0, 8 ** -0.5, 64)
-    o_rec, _ = delta_rule_recurrent(q, k, v, decay, beta, s0, 8 ** -0.5)
+    o_rec, _ = delta_rule_recurrent(q, k, v, decay, beta, s0.clone(), 8 ** -0.5)
     assert torch.isfinite(o).all() and (o - o_rec).abs().max() <= 1e-5
 
 

@@ -59,9 +59,10 @@ class KimiDeltaAttention(nn.Module):
         # Forget gate in log space: g = -exp(A_log) * softplus(f + dt_bias) <= 0, per head and key channel.
         g = -self.A_log.float().view(H, 1).exp() * F.softplus(f.float() + self.dt_bias.view(H, K), threshold=20.0)
         beta = torch.sigmoid(b.float())
-        delta_rule = delta_rule_recurrent if T == 1 else delta_rule_chunked
-        kwargs = {} if T == 1 else {"chunk_size": chunk_size}
-        o, recurrent = delta_rule(q, k, v.float(), g, beta, recurrent, K ** -0.5, **kwargs)
+        if T == 1:      # in place on the slot's state
+            o, recurrent = delta_rule_recurrent(q, k, v.float(), g, beta, recurrent, K ** -0.5)
+        else:
+            o, recurrent = delta_rule_chunked(q, k, v.float(), g, beta, recurrent, K ** -0.5, chunk_size)
         state.set_kda(self.layer, window[:, -(self.W - 1):], recurrent)
         o = gated_rms_norm(o, z, self.o_norm, self.eps).to(x.dtype)
         return F.linear(o.reshape(B, T, H * K), self.o_proj)

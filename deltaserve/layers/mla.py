@@ -46,6 +46,12 @@ class MLAttention(nn.Module):
             views["q_proj.weight"] = self.in_proj[:q]
         return views
 
+    def finalize(self) -> None:
+        """After loading: the absorption matrices, split per head and laid out contiguously for matmul."""
+        w_kv = self.kv_b_proj.view(self.H, self.nope + self.v_dim, self.rank)
+        self.w_uk = w_kv[:, :self.nope].contiguous()                              # [H, nope, r]
+        self.w_uv_t = w_kv[:, self.nope:].transpose(1, 2).contiguous()            # [H, r, v]
+
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.H
@@ -55,10 +61,17 @@ class MLAttention(nn.Module):
         q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)            # [B, H, T, 192]
         latent = torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
         cache, mask = state.mla(self.layer, latent)                            # [B, L, r + rope], [B, 1, T, L]
-        w_kv = self.kv_b_proj.view(H, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w_kv[:, :self.nope], w_kv[:, self.nope:]
-        query = torch.cat((q[..., :self.nope] @ w_uk, q[..., self.nope:]), dim=-1)   # [B, H, T, r + rope]
-        keys = cache.unsqueeze(1).expand(B, H, *cache.shape[1:])
-        ctx = F.scaled_dot_product_attention(query, keys, keys[..., :self.rank], attn_mask=mask, scale=self.scale)
-        out = (ctx @ w_uv.transpose(-1, -2)).transpose(1, 2).reshape(B, T, H * self.v_dim)
+        query = torch.cat((q[..., :self.nope] @ self.w_uk, q[..., self.nope:]), dim=-1)   # [B, H, T, r + rope]
+        ctx = latent_attention(query, cache, mask, self.scale, self.rank)       # [B, H, T, r]
+        out = (ctx @ self.w_uv_t).transpose(1, 2).reshape(B, T, H * self.v_dim)
         return F.linear(out, self.o_proj)
+
+
+def latent_attention(query: torch.Tensor, cache: torch.Tensor, mask: torch.Tensor, scale: float, rank: int
+                     ) -> torch.Tensor:
+    """softmax(q c^T * scale) c[:, :rank] with one latent key row shared by all heads (MQA): heads are folded
+    into query rows, so the cache is read once per sequence and never expanded per head."""
+    B, H, T, C = query.shape
+    scores = (query.reshape(B, H * T, C) @ cache.transpose(1, 2)).view(B, H, T, -1) * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
+    return (probs.view(B, H * T, -1) @ cache[..., :rank]).view(B, H, T, rank)

@@ -20,16 +20,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token at a time; the decode path (T = 1) and the reference for the chunked form."""
+    """One token at a time; the decode path (T = 1) and the reference for the chunked form.
+    Updates `state` (float32) in place, without temporaries the size of the state, and returns it."""
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    state = state.clone()
     out = []
     for t in range(k.shape[1]):
-        k_t = k[:, t].unsqueeze(-2)                                  # [B, H, 1, K]
-        state.mul_(g[:, t].exp().unsqueeze(-1))                      # decay each key row
-        pred = k_t @ state                                           # [B, H, 1, V]
+        k_t = k[:, t].unsqueeze(-1)                                   # [B, H, K, 1]
+        state.mul_(g[:, t].exp().unsqueeze(-1))                       # decay each key row
+        pred = k_t.transpose(-1, -2) @ state                          # [B, H, 1, V]
         delta = (v[:, t].unsqueeze(-2) - pred) * beta[:, t, :, None, None]
-        state.add_(k_t.transpose(-1, -2) @ delta)                    # rank-1 update
+        state.addcmul_(k_t, delta)                                    # rank-1 update
         out.append((q[:, t].unsqueeze(-2) * scale) @ state)
     return torch.cat(out, dim=-2).transpose(1, 2), state
 

@@ -1,0 +1,84 @@
+"""`deltaserve bench`: load time, prefill and decode throughput, time to first token cold vs with prefix reuse,
+peak RSS. Decode rates are steady-state engine steps, measured after warmup."""
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import torch
+
+from .engine import Engine, Status
+from .sampling import SamplingParams
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(0, min(vocab, 50000), (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def time_to_first_token(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    """(seconds until the first sampled token, tokens restored from the prefix cache)."""
+    r = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    engine.run([r])
+    return r.first_token_at - t0, r.num_cached_tokens
+
+
+def decode_rate(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> float:
+    """Aggregate tokens/s of `steps` decode steps with `batch` sequences generating together."""
+    vocab = engine.model.cfg.vocab_size
+    params = SamplingParams(max_tokens=steps + batch + 2, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(_prompt(prompt_tokens, 100 + i, vocab), params) for i in range(batch)]
+    while any(r.status != Status.DECODE for r in reqs):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - t0
+    for r in reqs:
+        engine.abort(r.id)
+    engine.step()
+    return batch * steps / elapsed
+
+
+def run_bench(llm: Any, load_s: float, prompt_tokens: int, decode_tokens: int, batch: int = 8) -> dict[str, float]:
+    engine: Engine = llm.engine
+    vocab = llm.cfg.vocab_size
+    engine.cache.clear()
+    prompt = _prompt(prompt_tokens, 0, vocab)
+    ttft_cold, _ = time_to_first_token(engine, prompt)
+    # a second turn: the first turn's prompt + its reply + a new user message
+    first = engine.add_request(prompt, SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True))
+    engine.run([first])
+    follow_up = first.tokens + _prompt(32, 1, vocab)
+    ttft_reuse, cached = time_to_first_token(engine, follow_up)
+    engine.cache.clear()
+    ttft_recompute, _ = time_to_first_token(engine, follow_up)
+    engine.cache.clear()
+    return {
+        "load_s": load_s,
+        "prompt_tokens": prompt_tokens,
+        "prefill_tok_s": prompt_tokens / ttft_cold,
+        "ttft_cold_s": ttft_cold,
+        "second_turn_tokens": len(follow_up),
+        "second_turn_cached_tokens": cached,
+        "ttft_second_turn_reuse_s": ttft_reuse,
+        "ttft_second_turn_recompute_s": ttft_recompute,
+        "decode_tok_s_batch1": decode_rate(engine, 1, 32, decode_tokens),
+        f"decode_tok_s_batch{batch}": decode_rate(engine, batch, 32, decode_tokens),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def format_bench(r: dict[str, float]) -> str:
+    batch_key = next(k for k in r if k.startswith("decode_tok_s_batch") and k != "decode_tok_s_batch1")
+    return "\n".join([
+        f"load:                {r['load_s']:.2f} s",
+        f"prefill:             {r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens, TTFT {r['ttft_cold_s'] * 1000:.0f} ms)",
+        f"decode batch 1:      {r['decode_tok_s_batch1']:.1f} tok/s ({1000 / r['decode_tok_s_batch1']:.1f} ms/token)",
+        f"decode {batch_key[len('decode_tok_s_'):]:<13} {r[batch_key]:.1f} tok/s aggregate",
+        f"second turn TTFT:    {r['ttft_second_turn_reuse_s'] * 1000:.0f} ms reusing {r['second_turn_cached_tokens']} of "
+        f"{r['second_turn_tokens']} tokens vs {r['ttft_second_turn_recompute_s'] * 1000:.0f} ms recomputed "
+        f"({r['ttft_second_turn_recompute_s'] / r['ttft_second_turn_reuse_s']:.1f}x)",
+        f"peak RSS:            {r['peak_rss_mib']:.0f} MiB",
+    ])
