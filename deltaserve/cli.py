@@ -85,6 +85,30 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": text})
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import os
+    import threading
+
+    import uvicorn
+
+    from .server import ServerState, create_app, load_and_warm
+    default = Path(args.model).resolve() == DEFAULT_MODEL.resolve()
+    name = args.served_model_name or ("deltaserve-default" if default else Path(args.model).resolve().name)
+    state = ServerState(name, args.max_queued_requests, args.api_key)
+
+    def load() -> None:
+        try:
+            load_and_warm(state, lambda: load_llm(args))
+        except Exception as e:   # a bad checkpoint or config: say why and stop the whole server
+            print(f"deltaserve: error: {e}", file=sys.stderr, flush=True)
+            os._exit(2)
+
+    threading.Thread(target=load, name="deltaserve-load", daemon=True).start()
+    print(f"deltaserve: serving '{name}' on http://{args.host}:{args.port} (/health is 503 until warm)",
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from .bench import format_bench, run_bench
     t0 = time.perf_counter()
@@ -103,6 +127,15 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description="Serve hybrid linear-attention LLMs (Kimi Linear).")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_args(p, optional=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-queued-requests", type=int, default=64, help="waiting requests beyond this get 503")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     add_model_args(p)

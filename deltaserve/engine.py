@@ -69,6 +69,7 @@ class Update:
     token_ids: list[int]
     text: str
     finished: bool
+    time: float = field(default_factory=time.perf_counter)    # when the engine produced it
 
 
 class Engine:
@@ -119,7 +120,7 @@ class Engine:
             self._aborts.add(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._aborts)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[Update]:
