@@ -111,6 +111,9 @@ def validate(tensors: dict[str, TensorInfo], targets: dict[str, torch.Tensor], r
                                   f"expected {list(target.shape)}")
         if info.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{info.file}: tensor {name} has unsupported dtype {info.dtype}")
+        if (info.dtype == "U8") != (target.dtype == torch.uint8):   # packed bytes are never cast to or from floats
+            expected = "U8 (packed MXFP4)" if target.dtype == torch.uint8 else "a floating-point dtype"
+            raise CheckpointError(f"{info.file}: tensor {name} has dtype {info.dtype}, expected {expected}")
 
 
 @torch.inference_mode()

@@ -87,23 +87,19 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     import os
-    import threading
 
     import uvicorn
 
-    from .server import ServerState, create_app, load_and_warm
+    from .server import ServerState, create_app, start_engine
     default = Path(args.model).resolve() == DEFAULT_MODEL.resolve()
     name = args.served_model_name or ("deltaserve-default" if default else Path(args.model).resolve().name)
     state = ServerState(name, args.max_queued_requests, args.api_key)
 
-    def load() -> None:
-        try:
-            load_and_warm(state, lambda: load_llm(args))
-        except Exception as e:   # a bad checkpoint or config: say why and stop the whole server
-            print(f"deltaserve: error: {e}", file=sys.stderr, flush=True)
-            os._exit(2)
+    def fatal(e: BaseException) -> None:   # a bad checkpoint or config: say why and stop the whole server
+        print(f"deltaserve: error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
 
-    threading.Thread(target=load, name="deltaserve-load", daemon=True).start()
+    start_engine(state, lambda: load_llm(args), fatal)
     print(f"deltaserve: serving '{name}' on http://{args.host}:{args.port} (/health is 503 until warm)",
           file=sys.stderr, flush=True)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
@@ -115,6 +111,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     llm = load_llm(args, warmup=True)
     result = run_bench(llm, time.perf_counter() - t0, args.prompt_tokens, args.decode_tokens, args.batch)
     print(json.dumps(result, indent=2) if args.json else format_bench(result))
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from .convert import convert
+    t0 = time.perf_counter()
+    stats = convert(args.src, args.dst, args.experts, args.force)
+    print(f"converted {args.src} -> {args.dst} in {time.perf_counter() - t0:.1f}s: "
+          f"{stats['source_bytes']:,} -> {stats['converted_bytes']:,} bytes of tensors")
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
@@ -162,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("convert", help="rewrite a checkpoint with MXFP4 routed experts (compressed-tensors layout)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--experts", default="mxfp4", choices=["mxfp4"])
+    p.add_argument("--force", action="store_true", help="write into a non-empty DST")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("make-tiny", help="write a random-weight checkpoint in the official layout")
     p.add_argument("dst")

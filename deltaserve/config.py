@@ -58,6 +58,11 @@ class ModelConfig:
     quantization: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
+    def experts_mxfp4(self) -> bool:
+        """Routed experts stored as compressed-tensors MXFP4 (weight_packed / weight_scale)."""
+        return self.quantization is not None
+
+    @property
     def kda_proj_size(self) -> int:
         return self.kda_num_heads * self.kda_head_dim
 
@@ -131,6 +136,8 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         quant = raw.get("quantization_config")
+        if quant is not None:
+            _check_mxfp4(quant, raw)
         return cls(
             vocab_size=positive("vocab_size"),
             hidden_size=positive("hidden_size"),
@@ -190,3 +197,26 @@ def _pos(d: dict[str, Any], key: str, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{name}: {value!r} must be a positive integer")
     return value
+
+
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+
+
+def _check_mxfp4(quant: Any, raw: dict[str, Any]) -> None:
+    """Only compressed-tensors MXFP4 routed experts (weights only, groups of 32) are understood."""
+    if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors" \
+            or quant.get("format") != MXFP4_FORMAT:
+        fmt = quant.get("format") if isinstance(quant, dict) else quant
+        raise ConfigError(f"quantization_config: {fmt!r} is not supported (deltaserve reads compressed-tensors "
+                          f"'{MXFP4_FORMAT}' routed experts)")
+    for name, group in (quant.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if w.get("num_bits", 4) != 4 or w.get("group_size", 32) != 32 or w.get("type", "float") != "float":
+            raise ConfigError(f"quantization_config.config_groups.{name}.weights: only 4-bit float in groups of 32 "
+                              "(MXFP4) is supported")
+        if group.get("input_activations"):
+            raise ConfigError(f"quantization_config.config_groups.{name}.input_activations: activation quantization "
+                              "is not supported (weights-only MXFP4)")
+    for name in ("hidden_size", "moe_intermediate_size"):
+        if raw.get(name, 0) % 32:
+            raise ConfigError(f"{name}: {raw.get(name)} must be a multiple of 32 for MXFP4 experts")

@@ -169,7 +169,8 @@ def test_client_disconnect_mid_stream_frees_the_sequence(server, client, offline
 
 def test_full_queue_gets_503_and_queues_nothing(offline):
     """Deterministic: the engine thread is stopped, so a queued request stays queued."""
-    state = ServerState("tiny", max_queued_requests=1, llm=offline, runner=EngineThread(offline.engine))
+    state = ServerState("tiny", max_queued_requests=1, llm=offline, runner=EngineThread(lambda: offline.engine))
+    state.runner.ready.wait(5)
     state.runner.stop()
     state.runner.thread.join(5)
     offline.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
@@ -190,3 +191,9 @@ def test_default_model_serves_without_arguments():
     finally:
         err = server.stop()
     assert "/v1/chat/completions  --  in:" in err and "ready" in err
+
+
+def test_bad_checkpoint_stops_the_server_with_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(RuntimeError, match="model_type: 'llama' is not supported"):
+        Server(str(tmp_path))

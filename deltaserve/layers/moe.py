@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops.mxfp4 import BLOCK, dequantize_mxfp4
 from .mlp import SwiGLU, param
 
 
@@ -33,22 +34,40 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.dtype = dtype
         self.gate_weight = param(E, D, dtype=torch.float32)
         self.e_score_correction_bias = param(E, dtype=torch.float32)
-        self.w13 = param(E, 2 * I, D, dtype=dtype)     # w1 (gate) rows, then w3 (up) rows
-        self.w2 = param(E, D, I, dtype=dtype)
+        if cfg.experts_mxfp4:      # packed FP4 codes and E8M0 scales, dequantized per selected expert
+            self.w13_packed = param(E, 2 * I, D // 2, dtype=torch.uint8)
+            self.w13_scale = param(E, 2 * I, D // BLOCK, dtype=torch.uint8)
+            self.w2_packed = param(E, D, I // 2, dtype=torch.uint8)
+            self.w2_scale = param(E, D, I // BLOCK, dtype=torch.uint8)
+        else:
+            self.w13 = param(E, 2 * I, D, dtype=dtype)     # w1 (gate) rows, then w3 (up) rows
+            self.w2 = param(E, D, I, dtype=dtype)
         self.shared_experts = SwiGLU(D, I * cfg.num_shared_experts, dtype) if cfg.num_shared_experts else None
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         I = self.cfg.moe_intermediate_size
         views = {"gate.weight": self.gate_weight, "gate.e_score_correction_bias": self.e_score_correction_bias}
-        for e in range(self.cfg.num_experts):
-            views[f"experts.{e}.w1.weight"] = self.w13[e, :I]
-            views[f"experts.{e}.w3.weight"] = self.w13[e, I:]
-            views[f"experts.{e}.w2.weight"] = self.w2[e]
+        parts = ((("weight_packed", "w13_packed", "w2_packed"), ("weight_scale", "w13_scale", "w2_scale"))
+                 if self.cfg.experts_mxfp4 else (("weight", "w13", "w2"),))
+        for suffix, w13_name, w2_name in parts:
+            w13, w2 = getattr(self, w13_name), getattr(self, w2_name)
+            for e in range(self.cfg.num_experts):
+                views[f"experts.{e}.w1.{suffix}"] = w13[e, :I]
+                views[f"experts.{e}.w3.{suffix}"] = w13[e, I:]
+                views[f"experts.{e}.w2.{suffix}"] = w2[e]
         if self.shared_experts is not None:
             views.update({f"shared_experts.{k}": v for k, v in self.shared_experts.checkpoint_views().items()})
         return views
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, D], w2 [D, I]) in the activation dtype."""
+        if not self.cfg.experts_mxfp4:
+            return self.w13[e], self.w2[e]
+        return (dequantize_mxfp4(self.w13_packed[e], self.w13_scale[e], self.dtype),
+                dequantize_mxfp4(self.w2_packed[e], self.w2_scale[e], self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -67,8 +86,9 @@ class MoE(nn.Module):
             sel = order[start:start + n]
             start += n
             tokens = sel // k
-            gate, up = F.linear(x[tokens], self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e]) * flat_weights[sel, None]
+            w13, w2 = self.expert(e)
+            gate, up = F.linear(x[tokens], w13).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2) * flat_weights[sel, None]
             out.index_add_(0, tokens, y.to(x.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -1,0 +1,81 @@
+"""`deltaserve convert SRC DST --experts mxfp4`: rewrite a checkpoint with MXFP4 routed experts, streaming one
+source shard at a time (peak memory: one shard), in the compressed-tensors layout vLLM loads."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .checkpoint import INDEX, checkpoint_files, scan
+from .config import MXFP4_FORMAT, ConfigError, ModelConfig
+from .ops.mxfp4 import quantize_mxfp4
+
+ROUTED_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json", "tokenization_kimi.py")
+QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": MXFP4_FORMAT,
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "format": MXFP4_FORMAT,
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                    "dynamic": False, "scale_dtype": "torch.uint8"},
+        "input_activations": None,
+        "output_activations": None,
+    }},
+    "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*block_sparse_moe\\.gate$", "re:.*mlp\\.(gate|up|down)_proj.*"],
+}
+
+
+def convert(src: str | Path, dst: str | Path, experts: str = "mxfp4", force: bool = False,
+            progress: bool | None = None) -> dict[str, int]:
+    """Write the converted checkpoint; returns byte counts before and after."""
+    src, dst = Path(src), Path(dst)
+    if experts != "mxfp4":
+        raise ValueError(f"--experts {experts!r}: only mxfp4 is supported")
+    raw = json.loads((src / "config.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    if cfg.experts_mxfp4:
+        raise ConfigError(f"{src}: the routed experts are already MXFP4")
+    ModelConfig.from_dict({**raw, "quantization_config": QUANTIZATION_CONFIG})   # divisibility checks up front
+    if dst.exists() and any(dst.iterdir()) and not force:
+        raise FileExistsError(f"{dst}: not empty; pass --force to overwrite")
+    tensors = scan(src)                                    # validates every shard before writing anything
+    dst.mkdir(parents=True, exist_ok=True)
+    files = checkpoint_files(src)
+    weight_map: dict[str, str] = {}
+    written = 0
+    bar = tqdm(total=sum(t.nbytes for t in tensors.values()), unit="B", unit_scale=True, desc="converting",
+               disable=None if progress is None else not progress)
+    with bar:
+        for i, file in enumerate(files):
+            out_name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            out = {}
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    if ROUTED_EXPERT.search(name):
+                        base = name[: -len("weight")]
+                        out[base + "weight_packed"], out[base + "weight_scale"] = quantize_mxfp4(tensor)
+                    else:
+                        out[name] = tensor
+                    bar.update(tensors[name].nbytes)
+            save_file(out, dst / out_name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(out, out_name))
+            written += sum(t.numel() * t.element_size() for t in out.values())
+            del out
+    (dst / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map}, indent=2))
+    (dst / "config.json").write_text(json.dumps({**raw, "quantization_config": QUANTIZATION_CONFIG}, indent=2))
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+    return {"source_bytes": sum(t.nbytes for t in tensors.values()), "converted_bytes": written}
