@@ -113,6 +113,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2) if args.json else format_bench(result))
 
 
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from .audit import audit, format_report
+    report = audit(args.model, args.context, args.tp, args.metadata_only, args.device_memory, args.max_num_seqs,
+                   None if args.dtype == "auto" else args.dtype)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+
+
 def cmd_convert(args: argparse.Namespace) -> None:
     from .convert import convert
     t0 = time.perf_counter()
@@ -166,6 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("inspect", help="checkpoint audit and memory estimate (reads headers and index only)")
+    p.add_argument("model")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--metadata-only", action="store_true", help="only config.json and the index are present")
+    p.add_argument("--device-memory", type=int, default=None, help="bytes per device, for a fit verdict")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("convert", help="rewrite a checkpoint with MXFP4 routed experts (compressed-tensors layout)")
     p.add_argument("src")

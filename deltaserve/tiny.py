@@ -72,7 +72,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                                       "head_dim": 128, "num_heads": 8, "short_conv_kernel_size": 4},
                   bos_token_id=163584, eos_token_id=163586, pad_token_id=163839, model_max_length=8192),
 }
-FP32_TENSORS = ("A_log", "dt_bias", "e_score_correction_bias")
+# Stored in float32 by the official checkpoint, whatever its dtype (the seed's converter notes the same four).
+FP32_TENSORS = ("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight")
 
 
 def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
