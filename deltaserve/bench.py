@@ -26,7 +26,7 @@ def time_to_first_token(engine: Engine, prompt: list[int]) -> tuple[float, int]:
 
 def decode_rate(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> float:
     """Aggregate tokens/s of `steps` decode steps with `batch` sequences generating together."""
-    vocab = engine.model.cfg.vocab_size
+    vocab = engine.cfg.vocab_size
     params = SamplingParams(max_tokens=steps + batch + 2, temperature=0.0, ignore_eos=True)
     reqs = [engine.add_request(_prompt(prompt_tokens, 100 + i, vocab), params) for i in range(batch)]
     while any(r.status != Status.DECODE for r in reqs):

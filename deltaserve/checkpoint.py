@@ -93,10 +93,20 @@ def _same_shape(found: tuple[int, ...], expected: tuple[int, ...]) -> bool:
     return tuple(d for d in found if d != 1) == tuple(d for d in expected if d != 1)
 
 
-def validate(tensors: dict[str, TensorInfo], targets: dict[str, torch.Tensor], root: str | Path) -> None:
+def full_shape(name: str, local: torch.Size, shard: tuple[int, int]) -> tuple[int, ...]:
+    """The checkpoint shape of a tensor whose rank-local slice is `local` (split by the TP plan)."""
+    from .parallel import split_dim
+    shape, d = list(local), split_dim(name) if shard[1] > 1 else None
+    if d is not None:
+        shape[d] *= shard[1]
+    return tuple(shape)
+
+
+def validate(tensors: dict[str, TensorInfo], targets: dict[str, torch.Tensor], root: str | Path,
+             shard: tuple[int, int] = (0, 1)) -> None:
     missing = sorted(set(targets) - set(tensors))
     if missing:
-        shown = ", ".join(f"{n} (expected shape {list(targets[n].shape)})" for n in missing[:5])
+        shown = ", ".join(f"{n} (expected shape {list(full_shape(n, targets[n].shape, shard))})" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{root}: missing tensor(s) {shown}{more}")
     unexpected = sorted(set(tensors) - set(targets))
@@ -105,10 +115,9 @@ def validate(tensors: dict[str, TensorInfo], targets: dict[str, torch.Tensor], r
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise CheckpointError(f"{root}: unexpected tensor(s) {shown}{more}")
     for name, target in targets.items():
-        info = tensors[name]
-        if not _same_shape(info.shape, tuple(target.shape)):
-            raise CheckpointError(f"{info.file}: tensor {name} has shape {list(info.shape)}, "
-                                  f"expected {list(target.shape)}")
+        info, expected = tensors[name], full_shape(name, target.shape, shard)
+        if not _same_shape(info.shape, expected):
+            raise CheckpointError(f"{info.file}: tensor {name} has shape {list(info.shape)}, expected {list(expected)}")
         if info.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{info.file}: tensor {name} has unsupported dtype {info.dtype}")
         if (info.dtype == "U8") != (target.dtype == torch.uint8):   # packed bytes are never cast to or from floats
@@ -117,10 +126,13 @@ def validate(tensors: dict[str, TensorInfo], targets: dict[str, torch.Tensor], r
 
 
 @torch.inference_mode()
-def load_into(targets: dict[str, torch.Tensor], path: str | Path, progress: bool | None = None) -> None:
-    """Validate the whole checkpoint against `targets` first, then copy each tensor into its target."""
+def load_into(targets: dict[str, torch.Tensor], path: str | Path, progress: bool | None = None,
+              shard: tuple[int, int] = (0, 1)) -> None:
+    """Validate the whole checkpoint against `targets` first, then copy each tensor into its target.
+    shard = (rank, size): read only this rank's slice of each tensor the TP plan splits."""
+    from .parallel import split_dim
     tensors = scan(path)
-    validate(tensors, targets, path)
+    validate(tensors, targets, path, shard)
     by_file: dict[Path, list[str]] = {}
     for name in targets:
         by_file.setdefault(tensors[name].file, []).append(name)
@@ -132,8 +144,16 @@ def load_into(targets: dict[str, torch.Tensor], path: str | Path, progress: bool
                 with safe_open(file, framework="pt", device="cpu") as f:
                     for name in names:
                         target = targets[name]
-                        target.copy_(f.get_tensor(name).reshape(target.shape))
-                        bar.update(tensors[name].nbytes)
+                        d = split_dim(name) if shard[1] > 1 else None
+                        if d is None:
+                            source = f.get_tensor(name)
+                        else:                            # read only this rank's rows / columns from disk
+                            n = tensors[name].shape[d] // shard[1]
+                            index = [slice(None)] * len(tensors[name].shape)
+                            index[d] = slice(shard[0] * n, (shard[0] + 1) * n)
+                            source = f.get_slice(name)[tuple(index)]
+                        target.copy_(source.reshape(target.shape))
+                        bar.update(tensors[name].nbytes // shard[1] if d is not None else tensors[name].nbytes)
             except CheckpointError:
                 raise
             except Exception as e:   # safetensors / IO errors surface with the file that caused them

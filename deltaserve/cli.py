@@ -23,13 +23,16 @@ def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
     p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30)
     p.add_argument("--hf-overrides", type=json.loads, default=None, help="JSON merged into config.json")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (processes) sharing the model; gloo on CPU, NCCL on CUDA; torchrun for several hosts")
 
 
 def load_llm(args: argparse.Namespace, warmup: bool = False):
     from .llm import LLM
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                chunk_size=args.chunk_size, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
-               prefix_cache_bytes=args.prefix_cache_bytes, warmup=warmup)
+               prefix_cache_bytes=args.prefix_cache_bytes, warmup=warmup,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, float]]:
@@ -201,13 +204,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_torchrun_worker(args: argparse.Namespace) -> None:
+    """Under torchrun, ranks other than 0 only serve their slice of the model to rank 0."""
+    import functools
+    import os
+
+    from .config import ModelConfig
+    from .llm import context_length, make_runner
+    from .parallel import worker_main
+    size = int(os.environ["WORLD_SIZE"])
+    max_len = context_length(ModelConfig.from_path(args.model, args.hf_overrides), args.max_model_len)
+    factory = functools.partial(make_runner, args.model, args.dtype, args.device, args.chunk_size, args.hf_overrides,
+                                args.max_num_seqs, max_len)
+    worker_main(int(os.environ["RANK"]), size, None, factory)
+
+
 def main(argv: list[str] | None = None) -> None:
+    import os
+
     from .chat import ChatTemplateError
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .engine import RequestError
     from .tokenizer import TokenizerError
     args = build_parser().parse_args(argv)
+    if int(os.environ.get("RANK", "0")) > 0 and getattr(args, "tensor_parallel_size", 1) > 1:
+        args.func = run_torchrun_worker
     try:
         args.func(args)
     except (CheckpointError, ConfigError, TokenizerError, RequestError, ChatTemplateError, ValueError) as e:

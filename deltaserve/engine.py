@@ -16,10 +16,9 @@ from enum import Enum
 
 import torch
 
-from .models.kimi_linear import KimiLinearForCausalLM
 from .prefix_cache import PrefixCache
+from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, StopStrings
-from .state import StatePool
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -73,16 +72,16 @@ class Update:
 
 
 class Engine:
-    def __init__(self, model: KimiLinearForCausalLM, tokenizer: Tokenizer | None, max_model_len: int,
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, max_model_len: int,
                  max_num_seqs: int = 8, prefill_tokens: int = 256, prefix_cache_bytes: int = 1 << 30):
-        self.model, self.tokenizer = model, tokenizer
+        """`runner` must hold `max_num_seqs` state slots of `max_model_len` tokens."""
+        self.runner, self.cfg, self.tokenizer = runner, runner.cfg, tokenizer
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
-        chunk = model.chunk_size
+        chunk = runner.chunk_size
         self.prefill_tokens = max(chunk, prefill_tokens // chunk * chunk)   # whole delta-rule chunks per step
-        self.device = next(model.parameters()).device
-        self.pool = StatePool(model.cfg, max_num_seqs, max_model_len, model.dtype, self.device)
-        self.cache = PrefixCache(prefix_cache_bytes)
-        self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else model.cfg.eos_token_ids)
+        self.device = runner.device
+        self.cache = PrefixCache(prefix_cache_bytes, on_drop=runner.release)
+        self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else self.cfg.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -93,7 +92,7 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Queue a request. Raises RequestError, changing nothing, if it cannot be served."""
-        vocab = self.model.cfg.vocab_size
+        vocab = self.cfg.vocab_size
         if not prompt:
             raise RequestError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
@@ -157,10 +156,10 @@ class Engine:
             self.running.append(r)
             snap = self.cache.match(r.prompt)
             if snap is None:
-                self.pool.reset(r.slot)
+                self.runner.reset(r.slot)
                 r.status = Status.PREFILL
                 continue
-            self.pool.restore(r.slot, snap)
+            self.runner.restore(r.slot, snap)
             r.computed = r.num_cached_tokens = snap.length
             if snap.length < len(r.prompt):
                 r.status = Status.PREFILL
@@ -170,18 +169,16 @@ class Engine:
 
     def _prefill_chunk(self, r: Request, updates: list[Update]) -> None:
         chunk = r.prompt[r.computed:r.computed + self.prefill_tokens]
-        tokens = torch.tensor([chunk], device=self.device)
-        logits = self.model(tokens, self.pool.view([r.slot], [r.computed]), last_only=True)[0]
+        logits = self.runner.forward([chunk], [r.slot], [r.computed])[0]
         r.computed += len(chunk)
         if r.computed == len(r.prompt):
-            self.cache.insert(r.prompt, self.pool.snapshot(r.slot, r.computed, logits))
+            self.cache.insert(r.prompt, self.runner.snapshot(r.slot, r.computed, logits))
             r.status, r.prefill_done_at = Status.DECODE, time.perf_counter()
             self._accept(r, r.sampler(logits), updates)
 
     def _decode(self, batch: list[Request], updates: list[Update]) -> None:
-        tokens = torch.tensor([[r.output[-1]] for r in batch], device=self.device)
-        view = self.pool.view([r.slot for r in batch], [r.computed for r in batch])
-        logits = self.model(tokens, view, last_only=True)
+        logits = self.runner.forward([[r.output[-1]] for r in batch], [r.slot for r in batch],
+                                     [r.computed for r in batch])
         for r, row in zip(batch, logits):
             r.computed += 1
             r.last_logits = row
@@ -215,7 +212,7 @@ class Engine:
     def _finish(self, r: Request) -> None:
         # The last sampled token was never fed; the state holds tokens[:computed]. Keep it for continuations.
         if r.computed > len(r.prompt):
-            self.cache.insert(r.tokens[:r.computed], self.pool.snapshot(r.slot, r.computed, r.last_logits))
+            self.cache.insert(r.tokens[:r.computed], self.runner.snapshot(r.slot, r.computed, r.last_logits))
         self._release(r)
 
     def _release(self, r: Request) -> None:
@@ -234,7 +231,7 @@ class Engine:
         every batch size up to max_num_seqs, greedy and sampled, snapshot and full and partial restore), then
         forget the warmup's cache entries."""
         n = min(2 * self.prefill_tokens + 3, self.max_model_len - self.max_num_seqs - 8)
-        prompt = [i % self.model.cfg.vocab_size for i in range(1, n + 1)]
+        prompt = [i % self.cfg.vocab_size for i in range(1, n + 1)]
         greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         sampled = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, seed=0, ignore_eos=True)
         self.run([self.add_request(prompt, greedy), self.add_request(prompt, sampled)])    # fresh, then full hit

@@ -1,6 +1,8 @@
 """The Python API: `LLM(path, ...)`, vLLM-style."""
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,9 @@ from .checkpoint import load_into
 from .config import ModelConfig
 from .engine import Engine, Request
 from .models.kimi_linear import KimiLinearForCausalLM
+from .parallel import TP, TPRunner, check_divisible, join_group, start_workers
+from .runner import ModelRunner
 from .sampling import SamplingParams
-from .state import StatePool
 from .tokenizer import Tokenizer, TokenizerError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,11 +32,14 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu", chunk_size: int = 64,
-               hf_overrides: dict[str, Any] | None = None, progress: bool | None = None) -> KimiLinearForCausalLM:
+               hf_overrides: dict[str, Any] | None = None, progress: bool | None = None,
+               tp: TP = TP()) -> KimiLinearForCausalLM:
+    """Build the model (this rank's slice of it under tensor parallelism) and fill it from the checkpoint."""
     cfg = ModelConfig.from_path(path, hf_overrides)
+    check_divisible(cfg, tp.size)
     with torch.device(device):
-        model = KimiLinearForCausalLM(cfg, resolve_dtype(dtype, cfg), chunk_size)
-    load_into(model.checkpoint_map(), path, progress)
+        model = KimiLinearForCausalLM(cfg, resolve_dtype(dtype, cfg), chunk_size, tp)
+    load_into(model.checkpoint_map(), path, progress, (tp.rank, tp.size))
     for module in model.modules():
         if hasattr(module, "finalize"):
             module.finalize()
@@ -53,25 +59,58 @@ class RequestOutput:
         return cls(r.prompt, list(r.output), r.text, r.num_cached_tokens, r.finish_reason)
 
 
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+def context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """The context served: as asked (up to the model's limit), else the model's limit capped at 32,768, since each
+    state slot preallocates its MLA latent cache for the whole context."""
+    if max_model_len is not None and max_model_len < 2:
+        raise ValueError(f"max_model_len: {max_model_len} must be at least 2")
+    return min(max_model_len or DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings)
+
+
+def make_runner(path: str | Path, dtype: str, device: str, chunk_size: int, hf_overrides: dict[str, Any] | None,
+                num_slots: int, max_len: int, init_method: str | None, tp: TP) -> ModelRunner:
+    """A worker rank's runner: join the group, load this rank's slices (picklable, for spawned processes)."""
+    join_group(tp, init_method, device)
+    model = load_model(path, dtype, device, chunk_size, hf_overrides, progress=False, tp=tp)
+    return ModelRunner(model, num_slots, max_len)
+
+
 class LLM:
     """Load a checkpoint and generate. Calls on one LLM share its prefix cache."""
 
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                  chunk_size: int = 64, hf_overrides: dict[str, Any] | None = None, max_num_seqs: int = 8,
                  prefill_tokens: int = 256, prefix_cache_bytes: int = 1 << 30, warmup: bool = False,
-                 progress: bool | None = None):
+                 progress: bool | None = None, tensor_parallel_size: int = 1):
         if chunk_size < 1:
             raise ValueError(f"chunk_size: {chunk_size} must be positive")
-        self.model = load_model(model, dtype, device, chunk_size, hf_overrides, progress)
-        self.cfg = self.model.cfg
+        cfg = ModelConfig.from_path(model, hf_overrides)
+        check_divisible(cfg, tensor_parallel_size)               # refuse before any process or weight
+        self.cfg = cfg
         self.device = torch.device(device)
-        self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        self.max_model_len = context_length(cfg, max_model_len)
+        if tensor_parallel_size == 1:
+            self.model = load_model(model, dtype, device, chunk_size, hf_overrides, progress)
+            self.runner: ModelRunner = ModelRunner(self.model, max_num_seqs, self.max_model_len)
+        else:
+            size = tensor_parallel_size
+            if device == "cpu":
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            factory = functools.partial(make_runner, model, dtype, device, chunk_size, hf_overrides, max_num_seqs,
+                                        self.max_model_len)
+            procs, init_method = start_workers(size, factory)
+            join_group(TP(0, size), init_method, device)
+            self.model = load_model(model, dtype, device, chunk_size, hf_overrides, progress, TP(0, size))
+            self.runner = TPRunner(self.model, max_num_seqs, self.max_model_len, procs)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(model, self.cfg.eos_token_ids)
         except TokenizerError:
             self.tokenizer = None            # token-id prompts still work
         self.template = ChatTemplate(self.tokenizer.chat_template if self.tokenizer else None)
-        self.engine = Engine(self.model, self.tokenizer, self.max_model_len, max_num_seqs, prefill_tokens,
+        self.engine = Engine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, prefill_tokens,
                              prefix_cache_bytes)
         if warmup:
             self.engine.warmup()
@@ -100,14 +139,22 @@ class LLM:
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position, [T, vocab] float32, from a fresh state."""
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        if ids.dim() != 1 or len(ids) == 0:
+        if not token_ids or not all(isinstance(t, int) for t in token_ids):
             raise ValueError("token_ids must be a non-empty list of ints")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"{len(ids)} tokens exceed max_model_len {self.max_model_len}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len {self.max_model_len}")
+        if min(token_ids) < 0 or max(token_ids) >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        pool = StatePool(self.cfg, 1, len(ids), self.model.dtype, self.device)
-        step = self.model.chunk_size * max(1, 256 // self.model.chunk_size)   # whole delta-rule chunks per step
-        out = [self.model(ids[None, s:s + step], pool.view([0], [s]))[0] for s in range(0, len(ids), step)]
-        return torch.cat(out)
+        step = self.runner.chunk_size * max(1, 256 // self.runner.chunk_size)   # whole delta-rule chunks per step
+        return self.runner.logits(list(token_ids), step)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any."""
+        if isinstance(self.runner, TPRunner):
+            self.runner.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

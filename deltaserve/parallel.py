@@ -9,8 +9,32 @@ low-rank down projections (f_a, g_a, kv_a, q_a), their norms, the router and all
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 
 from .config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class TP:
+    """This process's place in the tensor-parallel group (size 1: no communication at all)."""
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `x` along the last dimension (vocab-parallel logits)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
 
 SPLIT_RULES: tuple[tuple[re.Pattern, int], ...] = tuple((re.compile(p), d) for p, d in (
     (r"self_attn\.[qkv]_proj\.weight$", 0),
@@ -50,3 +74,155 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
     if cfg.experts_mxfp4 and (cfg.moe_intermediate_size // tp) % 32:
         raise ConfigError(f"moe_intermediate_size / tensor_parallel_size = {cfg.moe_intermediate_size // tp} must be a "
                           "multiple of 32 so MXFP4 blocks are not split")
+
+
+# ---- processes -----------------------------------------------------------------------------------------------
+# Rank 0 runs the engine (and the server); ranks 1..N-1 run `worker_main`, replaying every runner operation rank
+# 0 performs, so all ranks take part in the same collectives in the same order. Operations are broadcast as
+# small Python objects (token ids, slot numbers, snapshot ids); tensors never travel except in collectives.
+
+import ctypes  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+from .runner import ModelRunner  # noqa: E402
+from .state import Snapshot  # noqa: E402
+
+TIMEOUT = timedelta(minutes=10)
+
+
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to kill this worker when its parent (rank 0) dies, so no rank is ever orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def worker_main(rank: int, size: int, init_method: str | None,
+                make_runner: Callable[[str | None, TP], ModelRunner]) -> None:
+    """Ranks 1..N-1: join the group, load this rank's slices, then replay rank 0's operations until told to stop."""
+    _die_with_parent()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    runner = make_runner(init_method, TP(rank, size))
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        op, args = box[0]
+        if op == "stop":
+            break
+        if op == "snapshot":
+            slot, length, snapshot_id = args
+            runner.snapshot(slot, length, torch.empty(0), snapshot_id)
+        else:
+            getattr(runner, op)(*args)
+    dist.destroy_process_group()
+
+
+def join_group(tp: TP, init_method: str | None, device: str) -> None:
+    if not dist.is_initialized():
+        if init_method is None:        # launched by torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are set
+            dist.init_process_group(backend_for(device), timeout=TIMEOUT)
+        else:
+            dist.init_process_group(backend_for(device), init_method=init_method, rank=tp.rank, world_size=tp.size,
+                                    timeout=TIMEOUT)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(tp.rank % torch.cuda.device_count())
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def start_workers(size: int, make_runner: Callable[[str | None, TP], ModelRunner]) -> tuple[list[Any], str | None]:
+    """Spawn ranks 1..size-1 on this host (unless torchrun started them); returns (processes, init method)."""
+    if launched_by_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != size:
+            raise ConfigError(f"tensor_parallel_size {size} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
+        return [], None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    context = torch.multiprocessing.get_context("spawn")
+    procs = [context.Process(target=worker_main, args=(rank, size, init_method, make_runner), daemon=True,
+                             name=f"deltaserve-tp{rank}") for rank in range(1, size)]
+    for p in procs:
+        p.start()
+    return procs, init_method
+
+
+class TPRunner(ModelRunner):
+    """Rank 0's runner: every operation is announced to the other ranks, then done here too."""
+
+    def __init__(self, model: Any, num_slots: int, max_len: int, procs: list[Any]):
+        super().__init__(model, num_slots, max_len)
+        self.procs = procs
+        self.closed = False
+
+    def _check_ranks(self, wait: float = 0.0) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            p.join(wait)
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} died (exit code {p.exitcode})")
+
+    def _announce(self, op: str, *args: Any) -> None:
+        self._check_ranks()
+        self._collective(dist.broadcast_object_list, [(op, args)], src=0)
+
+    def _collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run something that talks to the other ranks; a failure caused by a dead rank says so."""
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError:
+            self._check_ranks(wait=2.0)
+            raise
+
+    def forward(self, tokens: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
+        self._announce("forward", tokens, slots, starts)
+        return self._collective(super().forward, tokens, slots, starts)
+
+    def logits(self, ids: list[int], step: int) -> torch.Tensor:
+        self._announce("logits", ids, step)
+        return self._collective(super().logits, ids, step)
+
+    def reset(self, slot: int) -> None:
+        self._announce("reset", slot)
+        super().reset(slot)
+
+    def snapshot(self, slot: int, length: int, logits: torch.Tensor, snapshot_id: int | None = None) -> Snapshot:
+        snap = super().snapshot(slot, length, logits, snapshot_id)
+        self._announce("snapshot", slot, length, snap.id)
+        return snap
+
+    def restore(self, slot: int, snap: Snapshot | int) -> None:
+        self._announce("restore", slot, snap if isinstance(snap, int) else snap.id)
+        super().restore(slot, snap)
+
+    def release(self, snap: Snapshot | int) -> None:
+        if not self.closed:
+            self._announce("release", snap if isinstance(snap, int) else snap.id)
+        super().release(snap)
+
+    def close(self) -> None:
+        """Stop every rank and leave the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.is_alive() for p in self.procs):
+                dist.broadcast_object_list([("stop", ())], src=0)
+        except RuntimeError:
+            pass                       # a rank is already gone; the others are stopped below
+        finally:
+            for p in self.procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+            dist.destroy_process_group()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .state import Snapshot
 
@@ -22,8 +22,10 @@ class Node:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, on_drop: Callable[[Snapshot], None] = lambda snap: None):
+        """on_drop: told of every snapshot the cache lets go (evicted, replaced or cleared)."""
         self.budget = budget_bytes
+        self.on_drop = on_drop
         self.root = Node((), None)
         self.bytes = 0
         self.entries = 0
@@ -49,6 +51,7 @@ class PrefixCache:
         """Store `snapshot` as the state after exactly `tokens`; evicts least recently used entries to fit."""
         assert snapshot.length == len(tokens), "a snapshot is keyed by exactly the tokens it has seen"
         if snapshot.nbytes > self.budget:
+            self.on_drop(snapshot)
             return
         node, depth = self.root, 0
         while depth < len(tokens):
@@ -69,6 +72,7 @@ class PrefixCache:
         if node.snapshot is not None:
             self.bytes -= node.snapshot.nbytes
             self.entries -= 1
+            self.on_drop(node.snapshot)
         node.snapshot, node.last_use = snapshot, next(self._clock)
         self.bytes += snapshot.nbytes
         self.entries += 1
@@ -84,6 +88,7 @@ class PrefixCache:
     def _remove(self, node: Node) -> None:
         self.bytes -= node.snapshot.nbytes
         self.entries -= 1
+        self.on_drop(node.snapshot)
         node.snapshot = None
         # prune empty leaves and merge pass-through nodes so the tree stays small
         while node.parent is not None and node.snapshot is None and len(node.children) <= 1:
@@ -104,6 +109,9 @@ class PrefixCache:
             stack.extend(node.children.values())
 
     def clear(self) -> None:
+        for node in self._nodes():
+            if node.snapshot is not None:
+                self.on_drop(node.snapshot)
         self.root, self.bytes, self.entries = Node((), None), 0, 0
 
 

@@ -71,7 +71,10 @@ class EngineThread:
             self._on_error(e)
             return
         self.ready.set()
-        self._run()
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - e.g. a tensor-parallel rank died: the server cannot go on
+            self._on_error(e)
 
     def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
         request_id = secrets.token_hex(12)

@@ -24,6 +24,7 @@ class Snapshot:
     recurrent: dict[int, torch.Tensor]
     latent: dict[int, torch.Tensor]
     logits: torch.Tensor
+    id: int = -1                       # the runner's handle (under tensor parallelism, each rank holds a part)
 
     @property
     def nbytes(self) -> int:

@@ -12,7 +12,7 @@ def snap(length, nbytes=400):
 
 def test_snapshot_restore_is_bit_identical(tiny_dir):
     llm = LLM(tiny_dir, dtype="bfloat16")
-    pool = llm.engine.pool
+    pool = llm.runner.pool
     ids = torch.arange(3, 80)[None]
     llm.model(ids, pool.view([0], [0]))
     saved = pool.snapshot(0, 77, torch.zeros(4))

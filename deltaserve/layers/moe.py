@@ -30,10 +30,13 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: M
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1):
+        """Under tensor parallelism every rank holds a 1/tp_size slice of every expert's intermediate dimension;
+        the caller sums the partial outputs across ranks."""
         super().__init__()
         self.cfg = cfg
-        E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        E, I, D = cfg.num_experts, cfg.moe_intermediate_size // tp_size, cfg.hidden_size
+        self.I = I
         self.dtype = dtype
         self.gate_weight = param(E, D, dtype=torch.float32)
         self.e_score_correction_bias = param(E, dtype=torch.float32)
@@ -48,7 +51,7 @@ class MoE(nn.Module):
         self.shared_experts = SwiGLU(D, I * cfg.num_shared_experts, dtype) if cfg.num_shared_experts else None
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
-        I = self.cfg.moe_intermediate_size
+        I = self.I
         views = {"gate.weight": self.gate_weight, "gate.e_score_correction_bias": self.e_score_correction_bias}
         parts = ((("weight_packed", "w13_packed", "w2_packed"), ("weight_scale", "w13_scale", "w2_scale"))
                  if self.cfg.experts_mxfp4 else (("weight", "w13", "w2"),))

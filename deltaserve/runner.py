@@ -1,0 +1,51 @@
+"""ModelRunner: the model and its state pool behind the few operations the engine needs (forward, reset,
+snapshot, restore, release). Tokens in, logits out; the engine never touches tensors of the model's state."""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+
+from .state import Snapshot, StatePool
+
+if TYPE_CHECKING:
+    from .models.kimi_linear import KimiLinearForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: "KimiLinearForCausalLM", num_slots: int, max_len: int):
+        self.model, self.cfg = model, model.cfg
+        self.chunk_size = model.chunk_size
+        self.device = next(model.parameters()).device
+        self.pool = StatePool(model.cfg, num_slots, max_len, model.dtype, self.device,
+                              kda_heads=model.kda_heads_local)
+        self._snapshot_ids = itertools.count()
+        self.snapshots: dict[int, Snapshot] = {}      # this process's part of each live snapshot
+
+    def forward(self, tokens: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
+        """Append each row of `tokens` to its slot; logits of each row's last position, [B, vocab] float32."""
+        batch = torch.tensor(tokens, device=self.device)
+        return self.model(batch, self.pool.view(slots, starts), last_only=True)
+
+    def logits(self, ids: list[int], step: int) -> torch.Tensor:
+        """Logits at every position of a fresh sequence, computed `step` tokens at a time in a private pool."""
+        pool = StatePool(self.cfg, 1, len(ids), self.model.dtype, self.device, kda_heads=self.model.kda_heads_local)
+        batch = torch.tensor([ids], device=self.device)
+        return torch.cat([self.model(batch[:, s:s + step], pool.view([0], [s]))[0] for s in range(0, len(ids), step)])
+
+    def reset(self, slot: int) -> None:
+        self.pool.reset(slot)
+
+    def snapshot(self, slot: int, length: int, logits: torch.Tensor, snapshot_id: int | None = None) -> Snapshot:
+        snap = self.pool.snapshot(slot, length, logits)
+        snap.id = next(self._snapshot_ids) if snapshot_id is None else snapshot_id
+        self.snapshots[snap.id] = snap
+        return snap
+
+    def restore(self, slot: int, snap: Snapshot | int) -> None:
+        self.pool.restore(slot, self.snapshots[snap if isinstance(snap, int) else snap.id])
+
+    def release(self, snap: Snapshot | int) -> None:
+        """The prefix cache dropped this snapshot."""
+        self.snapshots.pop(snap if isinstance(snap, int) else snap.id, None)
