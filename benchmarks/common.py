@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts."""
 from __future__ import annotations
 
+import argparse
 import resource
 import sys
 from pathlib import Path
@@ -21,3 +22,11 @@ def bench_checkpoint(path: str | None) -> Path:
         print(f"writing the bench preset checkpoint to {dst} ...", file=sys.stderr)
         make_tiny(dst, preset="bench", shards=4)
     return dst
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """Arguments every benchmark takes: an optional checkpoint (default: the bench preset) and the dtype."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: the bench preset)")
+    p.add_argument("--dtype", default="bfloat16")
+    return p

@@ -3,17 +3,14 @@
     python benchmarks/prefill.py [CHECKPOINT] --dtype bfloat16 --tokens 512
 Without CHECKPOINT it uses the bench preset (written to /tmp/deltaserve-bench on first use).
 """
-import argparse
 import time
 
 import torch
 
-from common import bench_checkpoint, peak_rss_mib
+from common import bench_checkpoint, parser, peak_rss_mib
 from deltaserve import LLM
 
-parser = argparse.ArgumentParser()
-parser.add_argument("checkpoint", nargs="?")
-parser.add_argument("--dtype", default="bfloat16")
+parser = parser(__doc__)
 parser.add_argument("--tokens", type=int, default=512)
 parser.add_argument("--repeats", type=int, default=3)
 args = parser.parse_args()

@@ -3,7 +3,6 @@ streaming clients requests/s, median time to first token and inter-token latency
 
     python benchmarks/serve_load.py [CHECKPOINT] --dtype bfloat16 --prompt-tokens 256 --max-tokens 32
 """
-import argparse
 import json
 import statistics
 import subprocess
@@ -15,12 +14,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import bench_checkpoint  # noqa: E402
+from common import bench_checkpoint, parser  # noqa: E402
 from server_utils import free_port  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("checkpoint", nargs="?")
-parser.add_argument("--dtype", default="bfloat16")
+parser = parser(__doc__)
 parser.add_argument("--prompt-tokens", type=int, default=256)
 parser.add_argument("--max-tokens", type=int, default=32)
 parser.add_argument("--requests-per-client", type=int, default=2)

@@ -2,7 +2,6 @@
 
     python benchmarks/vs_transformers.py [CHECKPOINT] --dtype bfloat16 --prompt-tokens 512 --decode-tokens 32
 """
-import argparse
 import sys
 import time
 
@@ -10,13 +9,11 @@ sys.modules["fla"] = None          # transformers' torch path (fla's kernels nee
 
 import torch  # noqa: E402
 
-from common import bench_checkpoint, peak_rss_mib  # noqa: E402
+from common import bench_checkpoint, parser, peak_rss_mib  # noqa: E402
 from deltaserve import LLM  # noqa: E402
 from deltaserve.bench import decode_rate, time_to_first_token  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("checkpoint", nargs="?")
-parser.add_argument("--dtype", default="bfloat16")
+parser = parser(__doc__)
 parser.add_argument("--prompt-tokens", type=int, default=512)
 parser.add_argument("--decode-tokens", type=int, default=32)
 args = parser.parse_args()

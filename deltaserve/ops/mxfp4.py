@@ -11,6 +11,7 @@ other compressed-tensors MXFP4 producers emit. Elements round to the nearest E2M
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 BLOCK = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -19,14 +20,20 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _TIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
-def _byte_table(device: torch.device | str = "cpu") -> torch.Tensor:
-    """[256, 2] float32: the two E2M1 values (low nibble first) that each byte encodes."""
-    values = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=device)
-    codes = torch.arange(256, device=device)
-    return torch.stack((values[codes & 15], values[codes >> 4]), dim=-1)
+_TABLES: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-_TABLES: dict[torch.device, torch.Tensor] = {}
+def _tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """([256, 2] the two E2M1 values of each byte, low nibble first; [256] the E8M0 multipliers 2^(s-127)), in
+    `dtype`. Every value is exact in bf16/fp16/fp32 except 2^(s-127) outside fp16's range (use bf16 or fp32)."""
+    key = (device, dtype)
+    if key not in _TABLES:
+        values = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32)
+        codes = torch.arange(256)
+        pairs = torch.stack((values[codes & 15], values[codes >> 4]), dim=-1)
+        powers = torch.ldexp(torch.ones(256), torch.arange(256) - 127)
+        _TABLES[key] = pairs.to(device, dtype), powers.to(device, dtype)
+    return _TABLES[key]
 
 
 def block_exponents(amax: torch.Tensor, rule: str = "ocp") -> torch.Tensor:
@@ -61,12 +68,11 @@ def quantize_mxfp4(w: torch.Tensor, rule: str = "ocp") -> tuple[torch.Tensor, to
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(packed uint8 [..., K/2], scales uint8 [..., K/32]) -> [..., K] in `dtype`."""
+    """(packed uint8 [..., K/2], scales uint8 [..., K/32]) -> [..., K] in `dtype`: two table lookups and one
+    multiply by a power of two, all exact, so the result does not depend on `dtype` beyond its range."""
     if packed.shape[-1] != scales.shape[-1] * BLOCK // 2:
         raise ValueError(f"packed width {packed.shape[-1]} does not match {scales.shape[-1]} scales of {BLOCK}")
-    table = _TABLES.get(packed.device)
-    if table is None:
-        table = _TABLES[packed.device] = _byte_table(packed.device)
-    values = table[packed.long()].reshape(*packed.shape[:-1], -1, BLOCK)      # [..., K/32, 32]
-    out = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
-    return out.reshape(*packed.shape[:-1], -1).to(dtype)
+    pairs, powers = _tables(packed.device, dtype)
+    values = F.embedding(packed.int(), pairs).view(*packed.shape[:-1], -1, BLOCK)       # [..., K/32, 32]
+    out = values * F.embedding(scales.int(), powers.unsqueeze(-1))                       # [..., K/32, 1]
+    return out.view(*packed.shape[:-1], -1)
