@@ -37,11 +37,12 @@ class APIError(Exception):
 
 def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None,
            check: Callable[[Any], bool] = lambda v: True, rule: str = "") -> Any:
-    value = body.get(name, default)
+    """body[name] if it is of `kinds` and passes `check` (JSON true/false never counts as a number)."""
+    value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)) or \
-            not isinstance(value, kinds) or not check(value):
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds) or not check(value):
         raise APIError(400, f"'{name}': {json.dumps(value)[:100]} is invalid{': ' + rule if rule else ''}", param=name)
     return value
 

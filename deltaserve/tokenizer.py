@@ -87,7 +87,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # ids the vocabulary lacks (a random model can sample them) decode to nothing
-        keep = [i for i in ids if (i in self.special_ids and not skip_special_tokens) or i in self._ordinary]
+        keep = [i for i in ids if (not skip_special_tokens or i not in self.special_ids)
+                and (i in self._ordinary or i in self.special_ids)]
         return self._decode(keep)
 
 

@@ -108,3 +108,53 @@ def test_one_all_reduce_per_mixer_and_per_ffn(tp, monkeypatch):
     tp.runner.reset(0)
     tp.runner.forward([[5]], [0], [0])
     assert calls == {"all_reduce": 2 * tp.cfg.num_hidden_layers + 1, "all_gather": 1}
+
+
+def test_mxfp4_experts_shard_block_aligned(tmp_path):
+    from deltaserve.convert import convert
+    from deltaserve.tiny import make_tiny
+    src = make_tiny(tmp_path / "bf16", seed=5, moe_intermediate_size=64)     # 32 columns per rank: whole blocks
+    dst = tmp_path / "mxfp4"
+    convert(src, dst)
+    ids_ = ids(100)
+    expected = LLM(dst, dtype="float32").logits(ids_)
+    with LLM(dst, dtype="float32", tensor_parallel_size=2) as sharded:
+        got = sharded.logits(ids_)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    from deltaserve.config import ModelConfig
+    from deltaserve.parallel import check_divisible
+    four_heads = ModelConfig.from_path(dst).with_(kda_num_heads=4, num_attention_heads=4)
+    with pytest.raises(ConfigError, match="= 16 must be a multiple of 32 so MXFP4 blocks are not split"):
+        check_divisible(four_heads, 4)
+
+
+def test_torchrun_launch_serves_like_one_process(tiny_dir, single):
+    """Every rank started by torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): rank 0 serves."""
+    import sys
+
+    from server_utils import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "deltaserve", "serve", str(tiny_dir),
+                             "--dtype", "float32", "--tensor-parallel-size", "2", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"prompt": ids(60), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.json()["choices"][0]["text"] == single.generate([ids(60)], SamplingParams(
+            max_tokens=8, temperature=0, ignore_eos=True))[0].text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    time.sleep(1)
+    leftovers = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
+    for pid in leftovers:
+        os.kill(int(pid), signal.SIGKILL)
+    assert not leftovers

@@ -51,3 +51,20 @@ def test_stop_strings_hold_back_possible_prefixes():
     assert stops.split("hello ENX", final=False) == ("hello ENX", False)
     assert stops.split("a END b", final=False) == ("a ", True)
     assert stops.split("tail E", final=True) == ("tail E", False)
+
+
+def test_tokenizer_json_checkpoints_load_through_tokenizers(tmp_path):
+    """Checkpoints without tiktoken.model use tokenizer.json via HF `tokenizers`; specials and streaming work."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(["hello world, café 你好"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path, (0,))
+    ids = tok.encode("hello café 你好<|im_end|>")
+    assert ids[-1] == tok.token_id("<|im_end|>") and tok.decode(ids) == "hello café 你好"
+    dec = IncrementalDecoder(tok)
+    assert "".join(dec.push(i) for i in ids) + dec.flush() == "hello café 你好"
