@@ -127,12 +127,11 @@ def worker_main(rank: int, size: int, init_method: str | None,
 
 
 def join_group(tp: TP, init_method: str | None, device: str) -> None:
-    if not dist.is_initialized():
-        if init_method is None:        # launched by torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are set
-            dist.init_process_group(backend_for(device), timeout=TIMEOUT)
-        else:
-            dist.init_process_group(backend_for(device), init_method=init_method, rank=tp.rank, world_size=tp.size,
-                                    timeout=TIMEOUT)
+    if init_method is None:            # launched by torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are set
+        dist.init_process_group(backend_for(device), timeout=TIMEOUT)
+    else:
+        dist.init_process_group(backend_for(device), init_method=init_method, rank=tp.rank, world_size=tp.size,
+                                timeout=TIMEOUT)
     if device.startswith("cuda"):
         torch.cuda.set_device(tp.rank % torch.cuda.device_count())
 
@@ -143,6 +142,9 @@ def launched_by_torchrun() -> bool:
 
 def start_workers(size: int, make_runner: Callable[[str | None, TP], ModelRunner]) -> tuple[list[Any], str | None]:
     """Spawn ranks 1..size-1 on this host (unless torchrun started them); returns (processes, init method)."""
+    if dist.is_initialized():          # torch.distributed has one default group per process
+        raise RuntimeError("a tensor-parallel group already exists in this process: one tensor-parallel LLM per "
+                           "process; close() the other one first")
     if launched_by_torchrun():
         if int(os.environ["WORLD_SIZE"]) != size:
             raise ConfigError(f"tensor_parallel_size {size} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")

@@ -110,22 +110,11 @@ def test_one_all_reduce_per_mixer_and_per_ffn(tp, monkeypatch):
     assert calls == {"all_reduce": 2 * tp.cfg.num_hidden_layers + 1, "all_gather": 1}
 
 
-def test_mxfp4_experts_shard_block_aligned(tmp_path):
-    from deltaserve.convert import convert
-    from deltaserve.tiny import make_tiny
-    src = make_tiny(tmp_path / "bf16", seed=5, moe_intermediate_size=64)     # 32 columns per rank: whole blocks
-    dst = tmp_path / "mxfp4"
-    convert(src, dst)
-    ids_ = ids(100)
-    expected = LLM(dst, dtype="float32").logits(ids_)
-    with LLM(dst, dtype="float32", tensor_parallel_size=2) as sharded:
-        got = sharded.logits(ids_)
-    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
-    from deltaserve.config import ModelConfig
-    from deltaserve.parallel import check_divisible
-    four_heads = ModelConfig.from_path(dst).with_(kda_num_heads=4, num_attention_heads=4)
-    with pytest.raises(ConfigError, match="= 16 must be a multiple of 32 so MXFP4 blocks are not split"):
-        check_divisible(four_heads, 4)
+def test_a_second_group_in_one_process_is_refused(tiny_dir, tp):
+    before = _children(os.getpid())
+    with pytest.raises(RuntimeError, match="one tensor-parallel LLM per process"):
+        LLM(tiny_dir, tensor_parallel_size=2)
+    assert _children(os.getpid()) == before          # refused before starting any process
 
 
 def test_torchrun_launch_serves_like_one_process(tiny_dir, single):

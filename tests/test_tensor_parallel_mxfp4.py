@@ -1,0 +1,27 @@
+"""MXFP4 experts under tensor parallelism (its own module: one tensor-parallel group per process at a time)."""
+import pytest
+
+from deltaserve import LLM
+from deltaserve.config import ConfigError
+
+
+def ids(n):
+    return [(5 + 7 * i) % 470 + 3 for i in range(n)]
+
+
+def test_mxfp4_experts_shard_block_aligned(tmp_path):
+    from deltaserve.convert import convert
+    from deltaserve.tiny import make_tiny
+    src = make_tiny(tmp_path / "bf16", seed=5, moe_intermediate_size=64)     # 32 columns per rank: whole blocks
+    dst = tmp_path / "mxfp4"
+    convert(src, dst)
+    ids_ = ids(100)
+    expected = LLM(dst, dtype="float32").logits(ids_)
+    with LLM(dst, dtype="float32", tensor_parallel_size=2) as sharded:
+        got = sharded.logits(ids_)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    from deltaserve.config import ModelConfig
+    from deltaserve.parallel import check_divisible
+    four_heads = ModelConfig.from_path(dst).with_(kda_num_heads=4, num_attention_heads=4)
+    with pytest.raises(ConfigError, match="= 16 must be a multiple of 32 so MXFP4 blocks are not split"):
+        check_divisible(four_heads, 4)
