@@ -70,14 +70,14 @@ try:
         results: list = []
         lock = threading.Lock()
 
-        def client() -> None:
+        def client(results: list, lock: threading.Lock) -> None:
             for _ in range(args.requests_per_client):
                 r = one_request()
                 with lock:
                     results.append(r)
 
         t = time.perf_counter()
-        threads = [threading.Thread(target=client) for _ in range(clients)]
+        threads = [threading.Thread(target=client, args=(results, lock)) for _ in range(clients)]
         for th in threads:
             th.start()
         for th in threads:

@@ -35,7 +35,6 @@ hf_generate(2)
 hf_prefill = hf_generate(1)
 hf_decode = args.decode_tokens / (hf_generate(args.decode_tokens + 1) - hf_prefill)
 print(f"transformers: prefill {args.prompt_tokens / hf_prefill:.1f} tok/s, decode batch 1 {hf_decode:.2f} tok/s")
-del ref
 
 llm = LLM(path, dtype=args.dtype, warmup=True)
 ttft, _ = time_to_first_token(llm.engine, prompt.tolist())
