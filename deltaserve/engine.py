@@ -191,19 +191,19 @@ class Engine:
             r.first_token_at = time.perf_counter()
         r.output.append(token)
         stop_token = (token in self.eos_ids and not r.params.ignore_eos) or token in r.params.stop_token_ids
+        out_of_room = len(r.output) >= r.max_tokens or len(r.prompt) + len(r.output) >= self.max_model_len
         text, hit_stop = "", False
         if r.decoder is not None:
             if not stop_token:
                 r.pending += r.decoder.push(token)
-            final = stop_token or len(r.output) >= r.max_tokens or len(r.tokens) >= self.max_model_len
-            if final:
+            if stop_token or out_of_room:
                 r.pending += r.decoder.flush()
-            text, hit_stop = r.stops.split(r.pending, final)
+            text, hit_stop = r.stops.split(r.pending, final=stop_token or out_of_room)
             r.pending = r.pending[len(text):]
             r.text += text
         if stop_token or hit_stop:
             r.finish_reason = "stop"
-        elif len(r.output) >= r.max_tokens or len(r.tokens) >= self.max_model_len:
+        elif out_of_room:
             r.finish_reason = "length"
         if r.finish_reason is not None:
             self._finish(r)

@@ -8,13 +8,21 @@ low-rank down projections (f_a, g_a, kv_a, q_a), their norms, the router and all
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import re
+import signal
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .config import ConfigError, ModelConfig
+from .runner import ModelRunner
+from .state import Snapshot
 
 
 @dataclass(frozen=True)
@@ -80,16 +88,6 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
 # Rank 0 runs the engine (and the server); ranks 1..N-1 run `worker_main`, replaying every runner operation rank
 # 0 performs, so all ranks take part in the same collectives in the same order. Operations are broadcast as
 # small Python objects (token ids, slot numbers, snapshot ids); tensors never travel except in collectives.
-
-import ctypes  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-from datetime import timedelta  # noqa: E402
-from typing import Any, Callable  # noqa: E402
-
-from .runner import ModelRunner  # noqa: E402
-from .state import Snapshot  # noqa: E402
 
 TIMEOUT = timedelta(minutes=10)
 

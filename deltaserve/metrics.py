@@ -1,0 +1,62 @@
+"""Prometheus metrics of the server: request outcomes, token counts, latency histograms, engine gauges."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .engine import Engine
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.buckets)
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+    def lines(self, name: str) -> list[str]:
+        counts = self.counts or [0] * len(self.buckets)
+        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.total}", f"{name}_count {self.n}"]
+
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.itl = Histogram(LATENCY_BUCKETS)
+
+    def count(self, outcome: str) -> None:
+        self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+    def render(self, engine: Engine | None) -> str:
+        lines = ["# TYPE deltaserve_requests_total counter"]
+        lines += [f'deltaserve_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())]
+        for name, value in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
+                            ("cached_tokens", self.cached_tokens)):
+            lines += [f"# TYPE deltaserve_{name}_total counter", f"deltaserve_{name}_total {value}"]
+        lines += ["# TYPE deltaserve_time_to_first_token_seconds histogram",
+                  *self.ttft.lines("deltaserve_time_to_first_token_seconds"),
+                  "# TYPE deltaserve_inter_token_latency_seconds histogram",
+                  *self.itl.lines("deltaserve_inter_token_latency_seconds")]
+        waiting = len(engine.waiting) if engine else 0
+        running = len(engine.running) if engine else 0
+        cache = engine.cache if engine else None
+        lines += ["# TYPE deltaserve_queue_depth gauge", f"deltaserve_queue_depth {waiting}",
+                  "# TYPE deltaserve_running_sequences gauge", f"deltaserve_running_sequences {running}",
+                  "# TYPE deltaserve_prefix_cache_bytes gauge", f"deltaserve_prefix_cache_bytes {cache.bytes if cache else 0}",
+                  "# TYPE deltaserve_prefix_cache_entries gauge",
+                  f"deltaserve_prefix_cache_entries {cache.entries if cache else 0}"]
+        return "\n".join(lines) + "\n"
