@@ -121,3 +121,10 @@ def test_float_tensor_where_packed_bytes_belong_is_refused(mxfp4_dir, tmp_path):
     save_file(tensors, file)
     with pytest.raises(CheckpointError, match=f"tensor {name} has dtype BF16, expected U8"):
         LLM(dst)
+
+
+def test_dequantization_is_exact_in_bfloat16():
+    """Every E2M1 value times a power of two is a bf16 number: the bf16 path equals the fp32 one bit for bit."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 64)[:, None]
+    packed, scale = quantize_mxfp4(w)
+    assert torch.equal(dequantize_mxfp4(packed, scale, torch.bfloat16).float(), dequantize_mxfp4(packed, scale))

@@ -73,6 +73,10 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if packed.shape[-1] != scales.shape[-1] * BLOCK // 2:
         raise ValueError(f"packed width {packed.shape[-1]} does not match {scales.shape[-1]} scales of {BLOCK}")
     pairs, powers = _tables(packed.device, dtype)
-    values = F.embedding(packed.int(), pairs).view(*packed.shape[:-1], -1, BLOCK)       # [..., K/32, 32]
-    out = values * F.embedding(scales.int(), powers.unsqueeze(-1))                       # [..., K/32, 1]
+    if pairs.element_size() == 2:       # both 16-bit values of a byte in one 32-bit word: one gather per byte
+        words = torch.take(pairs.view(torch.int32).squeeze(-1), packed.long())
+        values = words.view(dtype).view(*packed.shape[:-1], -1, BLOCK)                 # [..., K/32, 32]
+    else:
+        values = F.embedding(packed.int(), pairs).view(*packed.shape[:-1], -1, BLOCK)
+    out = values * powers[scales.long()].unsqueeze(-1)                                   # [..., K/32, 1]
     return out.view(*packed.shape[:-1], -1)
