@@ -214,6 +214,13 @@ def _sampling_params(body: dict[str, Any]) -> tuple[SamplingParams, bool]:
     n = _field(body, "n", int, 1)
     if n != 1:
         raise APIError(400, "'n': only n = 1 is supported", param="n")
+    # Refuse rather than silently ignore what would change the answer's form.
+    for name in ("logprobs", "top_logprobs", "echo"):
+        if body.get(name):
+            raise APIError(400, f"'{name}' is not supported", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise APIError(400, "'response_format': only {\"type\": \"text\"} is supported", param="response_format")
     positive = lambda v: v >= 1
     max_tokens = _field(body, "max_completion_tokens", int, None, positive, "must be >= 1")
     if max_tokens is None:
