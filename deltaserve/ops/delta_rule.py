@@ -55,8 +55,9 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: i
     cols = col_log.exp_().mul_(k.unsqueeze(-3))                                                  # [..., n, C, K]
     scores = (rows @ cols.transpose(-1, -2)).reshape(2, *batch, C, C)                            # off-diagonal blocks
     causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
-    pair_log = (blocks(G).unsqueeze(-2) - blocks(G).unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
-    pair = pair_log.exp_().mul_(blocks(k).unsqueeze(-3))                                         # [..., n, r, j, K]
+    G_blocks = blocks(G)
+    pair = (G_blocks.unsqueeze(-2) - G_blocks.unsqueeze(-3)).masked_fill_(~causal[..., None], float("-inf"))
+    pair = pair.exp_().mul_(blocks(k).unsqueeze(-3))                                             # [..., n, r, j, K]
     diag = pair @ torch.stack((blocks(k), blocks(q)), -1)                                        # [..., n, r, j, 2]
     on_diag = torch.diagonal(scores.view(2, *batch, n, sub, n, sub), dim1=-4, dim2=-2)           # [2, ..., sub, sub, n]
     on_diag.add_(diag.movedim(-1, 0).movedim(-3, -1))
