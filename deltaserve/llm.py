@@ -14,7 +14,7 @@ from .checkpoint import load_into
 from .config import ModelConfig
 from .engine import Engine, Request
 from .models.kimi_linear import KimiLinearForCausalLM
-from .parallel import TP, TPRunner, check_divisible, join_group, start_workers
+from .parallel import TP, TPRunner, check_divisible, join_group, start_workers, stop_workers
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, TokenizerError
@@ -102,8 +102,12 @@ class LLM:
             factory = functools.partial(make_runner, model, dtype, device, chunk_size, hf_overrides, max_num_seqs,
                                         self.max_model_len)
             procs, init_method = start_workers(size, factory)
-            join_group(TP(0, size), init_method, device)
-            self.model = load_model(model, dtype, device, chunk_size, hf_overrides, progress, TP(0, size))
+            try:
+                join_group(TP(0, size), init_method, device)
+                self.model = load_model(model, dtype, device, chunk_size, hf_overrides, progress, TP(0, size))
+            except BaseException:      # e.g. a bad checkpoint: leave no rank and no group behind
+                stop_workers(procs, wait=0)
+                raise
             self.runner = TPRunner(self.model, max_num_seqs, self.max_model_len, procs)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(model, self.cfg.eos_token_ids)

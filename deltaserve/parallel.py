@@ -158,6 +158,17 @@ def start_workers(size: int, make_runner: Callable[[str | None, TP], ModelRunner
     return procs, init_method
 
 
+def stop_workers(procs: list[Any], wait: float = 10.0) -> None:
+    """Make sure the worker ranks are gone and this process has left the group (after close() or a failure)."""
+    for p in procs:
+        p.join(wait)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class TPRunner(ModelRunner):
     """Rank 0's runner: every operation is announced to the other ranks, then done here too."""
 
@@ -221,8 +232,4 @@ class TPRunner(ModelRunner):
         except RuntimeError:
             pass                       # a rank is already gone; the others are stopped below
         finally:
-            for p in self.procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-            dist.destroy_process_group()
+            stop_workers(self.procs)

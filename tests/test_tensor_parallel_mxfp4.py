@@ -25,3 +25,21 @@ def test_mxfp4_experts_shard_block_aligned(tmp_path):
     four_heads = ModelConfig.from_path(dst).with_(kda_num_heads=4, num_attention_heads=4)
     with pytest.raises(ConfigError, match="= 16 must be a multiple of 32 so MXFP4 blocks are not split"):
         check_divisible(four_heads, 4)
+
+
+def test_a_failed_load_leaves_no_rank_behind(tiny_dir, tmp_path):
+    import json
+    import os
+    import shutil
+
+    from deltaserve.checkpoint import CheckpointError
+    from test_tensor_parallel import _children
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir, bad)
+    shard = bad / json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="truncated shard"):
+        LLM(bad, tensor_parallel_size=2)
+    assert _children(os.getpid()) == []
+    with LLM(tiny_dir, tensor_parallel_size=2) as ok:           # the process can start a group again
+        assert ok.logits([5, 6, 7]).shape == (3, 512)
