@@ -87,6 +87,8 @@ class LLM:
                  progress: bool | None = None, tensor_parallel_size: int = 1):
         if chunk_size < 1:
             raise ValueError(f"chunk_size: {chunk_size} must be positive")
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available to this torch build ({torch.__version__})")
         cfg = ModelConfig.from_path(model, hf_overrides)
         check_divisible(cfg, tensor_parallel_size)               # refuse before any process or weight
         self.cfg = cfg

@@ -36,3 +36,11 @@ def test_bad_checkpoint_is_one_clear_line(tmp_path):
     r = run("generate", str(tmp_path), "--prompt", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith(f"deltaserve: error: {tmp_path / 'config.json'}: not valid JSON")
+
+
+def test_missing_cuda_is_one_clear_line(tiny_dir):
+    import torch
+    if torch.cuda.is_available():
+        return
+    r = run("generate", str(tiny_dir), "--prompt", "x", "--device", "cuda")
+    assert r.returncode == 2 and r.stderr.startswith("deltaserve: error: device 'cuda': CUDA is not available")
