@@ -4,6 +4,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+import torch
+
 
 def run(*args, stdin=None):
     return subprocess.run([sys.executable, "-m", "deltaserve", *args], input=stdin, capture_output=True, text=True,
@@ -38,9 +41,7 @@ def test_bad_checkpoint_is_one_clear_line(tmp_path):
     assert r.stderr.startswith(f"deltaserve: error: {tmp_path / 'config.json'}: not valid JSON")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
 def test_missing_cuda_is_one_clear_line(tiny_dir):
-    import torch
-    if torch.cuda.is_available():
-        return
     r = run("generate", str(tiny_dir), "--prompt", "x", "--device", "cuda")
     assert r.returncode == 2 and r.stderr.startswith("deltaserve: error: device 'cuda': CUDA is not available")
