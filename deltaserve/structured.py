@@ -1,0 +1,243 @@
+"""Structured output: a request's constraint (OpenAI `response_format` json_object / json_schema; vLLM's
+`structured_outputs` json / regex / choice / grammar and the older `guided_*` names) compiled by llguidance into a
+per-request matcher, whose token mask is applied to that request's row of the batched logits only.
+
+llguidance was chosen by measurement (benchmarks/grammar_engines.py, Kimi's 163,840-token vocabulary): a 20-field
+schema compiles in ~2 ms (xgrammar ~50-75 ms, outlines-core 1-22 s), masks take ~20 us per token on free strings
+and ~0.3 ms on length-bounded ones (xgrammar ~30-70 us), and it installs 7.5 MiB with no dependencies (xgrammar
+needs triton, a ~273 MiB wheel, and rejects escaped quotes in strings with a maxLength).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Sequence
+
+import llguidance
+import llguidance.tiktoken
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
+
+# JSON whitespace is free but bounded, so a model cannot loop on newlines forever; 32 characters still allow a
+# newline and 15 levels of two-space indentation. A schema's own "x-guidance" options override this.
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be used; `param` names the request field (the server answers 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"'{param}': {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Constraint:
+    kind: str            # json | regex | choice | grammar
+    value: Any           # a JSON schema (dict), a regex, a list of strings, a Lark or GBNF grammar
+    param: str           # the request field it came from, for error messages
+
+
+def constraint_from_request(body: dict[str, Any]) -> Constraint | None:
+    """The one constraint a request body asks for, or None. Raises StructuredOutputError for a malformed field,
+    an unsupported option, or more than one constraint."""
+    found = [c for c in (_response_format(body.get("response_format")),
+                         *_structured_outputs(body.get("structured_outputs")),
+                         *(_constraint(kind, body[key], key) for key, kind in GUIDED_KEYS.items()
+                           if body.get(key) is not None)) if c is not None]
+    if len(found) > 1:
+        raise StructuredOutputError(found[1].param, f"only one constraint per request; '{found[0].param}' is set too")
+    return found[0] if found else None
+
+
+def _response_format(fmt: Any) -> Constraint | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json", {"type": "object"}, "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise StructuredOutputError("response_format.json_schema", 'must be {"name": ..., "schema": {...}}')
+        return Constraint("json", spec["schema"], "response_format.json_schema.schema")
+    raise StructuredOutputError("response_format", 'type must be "text", "json_object" or "json_schema"')
+
+
+def _structured_outputs(spec: Any) -> list[Constraint]:
+    if spec is None:
+        return []
+    if not isinstance(spec, dict):
+        raise StructuredOutputError("structured_outputs", "must be an object")
+    unsupported = sorted(k for k, v in spec.items() if k not in STRUCTURED_OUTPUTS_KEYS and v is not None)
+    if unsupported:
+        raise StructuredOutputError(f"structured_outputs.{unsupported[0]}",
+                                    f"not supported (supported: {', '.join(STRUCTURED_OUTPUTS_KEYS)})")
+    out = [_constraint(k, v, f"structured_outputs.{k}") for k, v in spec.items()
+           if k != "json_object" and v is not None]
+    if spec.get("json_object"):
+        out.append(Constraint("json", {"type": "object"}, "structured_outputs.json_object"))
+    return out
+
+
+def _constraint(kind: str, value: Any, param: str) -> Constraint:
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise StructuredOutputError(param, f"not valid JSON: {e}") from None
+    ok = {"json": isinstance(value, dict), "regex": isinstance(value, str) and value != "",
+          "grammar": isinstance(value, str) and value.strip() != "",
+          "choice": isinstance(value, list) and value != [] and all(isinstance(c, str) for c in value)}[kind]
+    if not ok:
+        raise StructuredOutputError(param, {"json": "must be a JSON schema object", "regex": "must be a regex string",
+                                            "grammar": "must be a Lark or GBNF grammar string",
+                                            "choice": "must be a non-empty list of strings"}[kind])
+    return Constraint(kind, value, param)
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: the mask of the tokens that may come next, and the tokens taken.
+    With `after` (e.g. the ids of `</think>` when the prompt opened reasoning), the grammar applies only once the
+    output has ended with those ids; every token is allowed before."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, after: Sequence[int] = ()):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.after, self.recent = list(after), []
+
+    @property
+    def active(self) -> bool:
+        return not self.after
+
+    def fill_mask(self, into: torch.Tensor) -> None:
+        """Write the allowed-token bitmask (bit i % 32 of word i // 32 set = token i allowed) into `into`, a
+        contiguous int32 CPU row of (vocab_size + 31) // 32 words."""
+        _check_bitmask(into.view(1, -1), self.vocab_size)
+        if self.active:
+            self.matcher.unsafe_compute_mask_ptr(into.data_ptr(), into.numel() * 4)
+        else:
+            into.fill_(-1)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False (and the matcher stays in error) if the grammar does not allow it."""
+        if self.active:
+            return self.matcher.consume_token(token_id)
+        self.recent = (self.recent + [token_id])[-len(self.after):]
+        if self.recent == self.after:
+            self.after = []
+        return True
+
+    def is_finished(self) -> bool:
+        """The grammar is complete: nothing but an end-of-sequence token may follow."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer. Building it reads the whole vocabulary (~0.5 s for Kimi's 163,840
+    tokens), so the server builds one at start; compiling a constraint takes milliseconds."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        """`vocab_size`: the model's logits width (ids the tokenizer lacks are never allowed)."""
+        self.vocab_size = vocab_size
+        self.tokenizer = _lltokenizer(tokenizer, vocab_size, list(eos_token_ids))
+
+    def compile(self, constraint: Constraint, after: Sequence[int] = ()) -> GrammarMatcher:
+        """A fresh matcher at the start of the constraint (which applies once the output ends with the ids `after`,
+        see GrammarMatcher); StructuredOutputError naming the problem if the constraint is invalid."""
+        grammar = _grammar(constraint)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if failed:
+            raise StructuredOutputError(constraint.param, messages[0].strip())
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise StructuredOutputError(constraint.param, matcher.get_error())
+        return GrammarMatcher(matcher, self.vocab_size, after)
+
+
+def _grammar(c: Constraint) -> str:
+    if c.kind == "json":
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(c.value, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise StructuredOutputError(c.param, str(e)) from None
+    try:
+        return llguidance.grammar_from(c.kind, c.value)
+    except ValueError as e:
+        raise StructuredOutputError(c.param, str(e)) from None
+
+
+def _lltokenizer(tokenizer: Tokenizer, vocab_size: int, eos: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of our tokenizer (tiktoken Encoding or HF tokenizers backend)."""
+    if hasattr(tokenizer, "_enc"):
+        return llguidance.tiktoken.lltokenizer_from_encoding(tokenizer._enc, n_vocab=vocab_size, eos_token=eos)
+    return llguidance.LLTokenizer(tokenizer._hf.to_str(), n_vocab=vocab_size, eos_token=eos)
+
+
+# ---- batched masks -------------------------------------------------------------------------------------------
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A [rows, (vocab_size + 31) // 32] int32 CPU bitmask, all tokens allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+@lru_cache(maxsize=1)
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()
+
+
+def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+    """Row i of `bitmask` (from allocate_bitmask) = the mask of matchers[i], computed for all of them at once on
+    llguidance's threads."""
+    if not matchers:
+        return
+    _check_bitmask(bitmask, matchers[0].vocab_size, rows=len(matchers))
+    active = [(m.matcher, i) for i, m in enumerate(matchers) if m.active]
+    for i, m in enumerate(matchers):
+        if not m.active:
+            bitmask[i].fill_(-1)
+    if active:
+        _executor().unsafe_compute_mask_ptr(active, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+def _check_bitmask(bitmask: torch.Tensor, vocab_size: int, rows: int = 1) -> None:
+    """llguidance writes through a raw pointer: the memory must be exactly what it expects."""
+    if (bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous()
+            or bitmask.dim() != 2 or bitmask.shape[0] < rows or bitmask.shape[1] != (vocab_size + 31) // 32):
+        raise ValueError(f"bitmask must be a contiguous int32 CPU tensor of shape [>={rows}, "
+                         f"{(vocab_size + 31) // 32}], got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+
+
+@lru_cache(maxsize=8)
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: entry (b, j) is 0 if bit j of byte b is set (token allowed), else -inf."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.where(bits == 1, 0.0, float("-inf")).to(device, dtype)
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """In place: logits[rows[i]] = -inf where bitmask row i forbids the token. Rows not listed are not touched,
+    so requests without a constraint keep their logits bit for bit. The caller must not pass logits that are
+    also kept elsewhere (a prefix-cache snapshot): clone those rows first."""
+    if not rows:
+        return
+    # Adding a 0 / -inf bias looked up per byte measured ~10x faster on CPU than masked_fill_ with an unpacked
+    # boolean mask (~0.2 ms vs ~1.8 ms for a 163,840-token row on this 2-core machine). x + 0.0 == x.
+    table = _byte_bias(logits.device, logits.dtype)
+    data = bitmask[:len(rows)].numpy().astype("<i4", copy=False).view(np.uint8)    # bytes, least significant first
+    data = torch.from_numpy(data).to(logits.device, torch.int32, non_blocking=True)
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        logits[row].add_(table.index_select(0, data[i]).view(-1)[:vocab])
