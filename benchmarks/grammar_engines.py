@@ -235,9 +235,12 @@ def main() -> None:
     print(f"vocabulary: {enc.n_vocab} tokens, built in {time.perf_counter() - t0:.1f}s; "
           f"{torch.get_num_threads()} torch threads")
     docs = documents(enc, args.docs)
-    for constrained in (1, 8):
-        print(f"deltaserve apply_bitmask_: {apply_us(8, constrained):.0f} us for {constrained} constrained row(s) "
-              f"of a [8, {VOCAB}] batch")
+    threads = torch.get_num_threads()
+    for n in sorted({1, threads}):     # torch's thread pool is slow on an oversubscribed machine: show both
+        torch.set_num_threads(n)
+        print(f"deltaserve apply_bitmask_ on a [8, {VOCAB}] batch, {n} torch thread(s): " + ", ".join(
+            f"{apply_us(8, rows):.0f} us for {rows} constrained row(s)" for rows in (1, 8)))
+    torch.set_num_threads(threads)
     results = []
     for bench, module in ((bench_llguidance, "llguidance"), (bench_xgrammar, "xgrammar"),
                           (bench_outlines_core, "outlines_core")):

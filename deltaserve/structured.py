@@ -2,10 +2,11 @@
 `structured_outputs` json / regex / choice / grammar and the older `guided_*` names) compiled by llguidance into a
 per-request matcher, whose token mask is applied to that request's row of the batched logits only.
 
-llguidance was chosen by measurement (benchmarks/grammar_engines.py, Kimi's 163,840-token vocabulary): a 20-field
-schema compiles in ~2 ms (xgrammar ~50-75 ms, outlines-core 1-22 s), masks take ~20 us per token on free strings
-and ~0.3 ms on length-bounded ones (xgrammar ~30-70 us), and it installs 7.5 MiB with no dependencies (xgrammar
-needs triton, a ~273 MiB wheel, and rejects escaped quotes in strings with a maxLength).
+llguidance was chosen by measurement (benchmarks/grammar_engines.py, Kimi's 163,840-token vocabulary, ranges over
+runs on a busy 2-core machine): a 20-field schema compiles in 1.4-6.4 ms (xgrammar 46-108 ms, outlines-core 1.2-46
+s); a mask takes 18-32 us per token on average with free strings and 0.3-0.5 ms with maxLength-bounded strings
+(xgrammar 32-48 us and 73-96 us); it installs 7.5 MiB with no dependencies (xgrammar needs triton, a 273 MiB
+wheel, and rejects escaped quotes in strings that have a maxLength).
 """
 from __future__ import annotations
 
@@ -220,11 +221,14 @@ def _check_bitmask(bitmask: torch.Tensor, vocab_size: int, rows: int = 1) -> Non
                          f"{(vocab_size + 31) // 32}], got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
 
 
+# [256, 8]: entry (b, j) is 0 if bit j of byte b is set (token allowed), else -inf
+BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+                     0.0, -np.inf).astype(np.float32)
+
+
 @lru_cache(maxsize=8)
 def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """[256, 8]: entry (b, j) is 0 if bit j of byte b is set (token allowed), else -inf."""
-    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-    return torch.where(bits == 1, 0.0, float("-inf")).to(device, dtype)
+    return torch.from_numpy(BYTE_BIAS).to(device, dtype)
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
@@ -233,11 +237,17 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[i
     also kept elsewhere (a prefix-cache snapshot): clone those rows first."""
     if not rows:
         return
-    # Adding a 0 / -inf bias looked up per byte measured ~10x faster on CPU than masked_fill_ with an unpacked
-    # boolean mask (~0.2 ms vs ~1.8 ms for a 163,840-token row on this 2-core machine). x + 0.0 == x.
-    table = _byte_bias(logits.device, logits.dtype)
+    # A 0 / -inf bias looked up per byte and added (x + 0.0 == x). On a 163,840-token row this measured ~0.1 ms in
+    # numpy, ~0.2 ms with torch on one thread, ~1.8 ms for masked_fill_ with an unpacked mask, and torch's thread
+    # pool took 10-30 ms when the cores were busy; so float32 CPU logits take the single-threaded numpy path.
     data = bitmask[:len(rows)].numpy().astype("<i4", copy=False).view(np.uint8)    # bytes, least significant first
-    data = torch.from_numpy(data).to(logits.device, torch.int32, non_blocking=True)
     vocab = logits.shape[-1]
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        for i, row in enumerate(rows):
+            values = logits[row].numpy()
+            np.add(values, np.take(BYTE_BIAS, data[i], axis=0).reshape(-1)[:vocab], out=values)
+        return
+    table = _byte_bias(logits.device, logits.dtype)
+    data = torch.from_numpy(data).to(logits.device, torch.int32, non_blocking=True)
     for i, row in enumerate(rows):
         logits[row].add_(table.index_select(0, data[i]).view(-1)[:vocab])

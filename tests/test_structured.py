@@ -134,6 +134,9 @@ def test_masking_leaves_unconstrained_rows_bit_identical(compiler, tokenizer):
     assert set(torch.nonzero(logits[1] > float("-inf")).flatten().tolist()) == {tokenizer.encode("{")[0]}
     kept = logits[[1, 3]] > float("-inf")
     assert torch.equal(logits[[1, 3]][kept], before[[1, 3]][kept])
+    other = before.to(torch.float64)        # the torch path (other dtypes and devices) masks the same tokens
+    apply_bitmask_(other, bitmask, [1, 3])
+    assert torch.equal(other.isinf(), logits.isinf()) and torch.equal(other[0], before[0].to(torch.float64))
 
 
 def test_batched_masks_equal_one_at_a_time(compiler):
