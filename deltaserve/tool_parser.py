@@ -14,7 +14,8 @@ the history and `## Return of {id}`. Some checkpoints spell the section markers 
 Output is OpenAI delta dicts: `{"content": text}`, then for each call first
 `{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]}` and then
 `{"tool_calls": [{"index", "function": {"arguments": fragment}}]}` as the arguments are generated. A region that
-does not parse is logged and returned as content, never dropped.
+does not parse (a call with its markers, or text inside a section) is logged and returned as content, never
+dropped; the section markers themselves and whitespace between calls are layout.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
 CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 TAG_BEGIN, TAG_END = "<tool_call>", "</tool_call>"
-# what starts a tool-call region in ordinary text; reasoning parsers also end reasoning at these
+# what starts a tool-call region in ordinary text (a Kimi call is also accepted outside a section)
 REGION_BEGIN = (*SECTION_BEGIN, CALL_BEGIN, TAG_BEGIN)
 
 KIMI_ID = re.compile(r"(?:functions\.)?(?P<name>[^\s:<>|]+)(?::\w+)?")

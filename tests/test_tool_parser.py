@@ -45,6 +45,13 @@ def test_bare_id_and_singular_section_markers_are_accepted():
     text = "<|tool_call_section_begin|>" + kimi_call(" search:3 ", ' {"q": "x"} ') + "<|tool_call_section_end|>"
     [call] = parse_chat_output(text)["tool_calls"]
     assert (call["id"], call["function"]["name"], call["function"]["arguments"]) == ("search:3", "search", '{"q": "x"}')
+    [call] = parse_chat_output("a " + kimi_call("functions.f:0", "[1]"))["tool_calls"]     # no section at all
+    assert call["id"] == "functions.f:0" and call["function"]["arguments"] == "[1]"
+
+
+def test_without_tools_the_markers_stay_content():
+    text = "x" + SB + kimi_call("functions.f:0", "{}") + SE
+    assert parse_chat_output(text, tools=False) == {"role": "assistant", "content": text}
 
 
 def test_stream_sends_the_header_first_then_argument_fragments():
