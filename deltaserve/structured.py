@@ -3,9 +3,9 @@
 per-request matcher, whose token mask is applied to that request's row of the batched logits only.
 
 llguidance was chosen by measurement (benchmarks/grammar_engines.py, Kimi's 163,840-token vocabulary, ranges over
-runs on a busy 2-core machine): a 20-field schema compiles in 1.4-6.4 ms (xgrammar 46-108 ms, outlines-core 1.2-46
+runs on a busy 2-core machine): a 20-field schema compiles in 1.4-6.4 ms (xgrammar 46-121 ms, outlines-core 1.1-46
 s); a mask takes 18-32 us per token on average with free strings and 0.3-0.5 ms with maxLength-bounded strings
-(xgrammar 32-48 us and 73-96 us); it installs 7.5 MiB with no dependencies (xgrammar needs triton, a 273 MiB
+(xgrammar 32-80 us and 73-174 us); it installs 7.5 MiB with no dependencies (xgrammar needs triton, a 273 MiB
 wheel, and rejects escaped quotes in strings that have a maxLength).
 """
 from __future__ import annotations
