@@ -2,17 +2,24 @@
 
 Each step runs at most one prefill chunk (for the oldest request still reading its prompt) and one decode
 step for every request that is generating. A request owns a state slot from admission to finish; on
-admission it restores the longest cached snapshot that is a prefix of its prompt, and it leaves snapshots
-at its prompt boundary and at its end. The engine sees token ids and logits, never layer math.
+admission it restores the longest cached snapshot that is a prefix of its prompt (under its cache salt), and it
+leaves snapshots at its prompt boundary and at its end. The engine sees token ids and logits, never layer math.
+
+Failures: whatever happens to one request after the model's forward (sampling, detokenizing, stop strings, its
+snapshots) fails that request alone, with finish_reason "error", and frees its slot; the others go on untouched.
+A failure inside the forward itself propagates: the model updates every row's recurrent state in place, so a
+half-done batch cannot be undone for the rows that were fine, and the caller must treat the model as broken.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 import torch
 
@@ -45,7 +52,9 @@ class Request:
     slot: int | None = None
     computed: int = 0                 # tokens whose effect is in the slot's state
     num_cached_tokens: int = 0
-    finish_reason: str | None = None
+    cache_salt: str | None = None     # reuses only prefixes cached under the same salt
+    finish_reason: str | None = None  # "stop", "length", "abort", or "error" (then `error` says why)
+    error: str | None = None
     text: str = ""                    # emitted text (stop strings excluded)
     decoder: IncrementalDecoder | None = None
     stops: StopStrings | None = None
@@ -73,10 +82,16 @@ class Update:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, max_model_len: int,
-                 max_num_seqs: int = 8, prefill_tokens: int = 256, prefix_cache_bytes: int = 1 << 30):
-        """`runner` must hold `max_num_seqs` state slots of `max_model_len` tokens."""
+                 max_num_seqs: int = 8, prefill_tokens: int = 256, prefix_cache_bytes: int = 1 << 30,
+                 batch_invariant: bool = False):
+        """`runner` must hold `max_num_seqs` state slots of `max_model_len` tokens. `batch_invariant`: decode one
+        sequence per forward, so a sequence's logits never depend on what else is running (matmul kernels pick
+        their blocking, and so their reduction order, by batch size); prefill already runs one sequence at a time.
+        A prefix-cache hit still starts the prefill's chunks at the snapshot, which can change rounding: for bitwise
+        reproducibility give runs distinct cache salts (or no prefix cache)."""
         self.runner, self.cfg, self.tokenizer = runner, runner.cfg, tokenizer
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.batch_invariant = batch_invariant
         chunk = runner.chunk_size
         self.prefill_tokens = max(chunk, prefill_tokens // chunk * chunk)   # whole delta-rule chunks per step
         self.device = runner.device
@@ -90,7 +105,8 @@ class Engine:
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> Request:
         """Queue a request. Raises RequestError, changing nothing, if it cannot be served."""
         vocab = self.cfg.vocab_size
         if not prompt:
@@ -105,7 +121,7 @@ class Engine:
                                f"together {len(prompt) + params.max_tokens}, more than the context of "
                                f"{self.max_model_len} tokens")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, params.max_tokens or room,
-                          Sampler(params, self.device))
+                          Sampler(params, self.device), cache_salt=cache_salt)
         if self.tokenizer is not None:
             request.decoder = IncrementalDecoder(self.tokenizer)
             request.stops = StopStrings(params.stop)
@@ -154,39 +170,62 @@ class Engine:
                 r = self.waiting.popleft()
             r.slot = self.free_slots.pop()
             self.running.append(r)
-            snap = self.cache.match(r.prompt)
-            if snap is None:
-                self.runner.reset(r.slot)
-                r.status = Status.PREFILL
-                continue
-            self.runner.restore(r.slot, snap)
-            r.computed = r.num_cached_tokens = snap.length
-            if snap.length < len(r.prompt):
-                r.status = Status.PREFILL
-            else:                                        # the whole prompt was seen before: sample directly
-                r.status, r.prefill_done_at = Status.DECODE, time.perf_counter()
-                self._accept(r, r.sampler(snap.logits), updates)
+            self._isolated(r, updates, self._start, r, updates)
+
+    def _start(self, r: Request, updates: list[Update]) -> None:
+        snap = self.cache.match(r.prompt, salt=r.cache_salt)
+        if snap is None:
+            self.runner.reset(r.slot)
+            r.status = Status.PREFILL
+            return
+        self.runner.restore(r.slot, snap)
+        r.computed = r.num_cached_tokens = snap.length
+        if snap.length < len(r.prompt):
+            r.status = Status.PREFILL
+        else:                                            # the whole prompt was seen before: sample directly
+            r.status, r.prefill_done_at = Status.DECODE, time.perf_counter()
+            self._accept(r, snap.logits, updates)
 
     def _prefill_chunk(self, r: Request, updates: list[Update]) -> None:
         chunk = r.prompt[r.computed:r.computed + self.prefill_tokens]
         logits = self.runner.forward([chunk], [r.slot], [r.computed])[0]
         r.computed += len(chunk)
         if r.computed == len(r.prompt):
-            self.cache.insert(r.prompt, self.runner.snapshot(r.slot, r.computed, logits))
-            r.status, r.prefill_done_at = Status.DECODE, time.perf_counter()
-            self._accept(r, r.sampler(logits), updates)
+            self._isolated(r, updates, self._end_prefill, r, logits, updates)
+
+    def _end_prefill(self, r: Request, logits: torch.Tensor, updates: list[Update]) -> None:
+        self.cache.insert(r.prompt, self.runner.snapshot(r.slot, r.computed, logits), salt=r.cache_salt)
+        r.status, r.prefill_done_at = Status.DECODE, time.perf_counter()
+        self._accept(r, logits, updates)
 
     def _decode(self, batch: list[Request], updates: list[Update]) -> None:
-        logits = self.runner.forward([[r.output[-1]] for r in batch], [r.slot for r in batch],
-                                     [r.computed for r in batch])
+        if self.batch_invariant:
+            logits = torch.cat([self.runner.forward([[r.output[-1]]], [r.slot], [r.computed]) for r in batch])
+        else:
+            logits = self.runner.forward([[r.output[-1]] for r in batch], [r.slot for r in batch],
+                                         [r.computed for r in batch])
         for r, row in zip(batch, logits):
             r.computed += 1
             r.last_logits = row
-            self._accept(r, r.sampler(row), updates)
+            self._isolated(r, updates, self._accept, r, row, updates)
+
+    # ---- failures ----------------------------------------------------------------------------------------
+    def _isolated(self, r: Request, updates: list[Update], work: Callable[..., None], *args: object) -> None:
+        """Run one request's share of a step; if it fails, fail that request alone."""
+        try:
+            work(*args)
+        except Exception as e:  # noqa: BLE001 - any failure of one request's processing is that request's
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            r.error = f"{type(e).__name__}: {e} (at {frame.filename}:{frame.lineno})"
+            r.finish_reason = "error"
+            if r in self.running:
+                self._release(r)
+            updates.append(Update(r, [], "", True))
 
     # ---- outputs -----------------------------------------------------------------------------------------
-    def _accept(self, r: Request, token: int, updates: list[Update]) -> None:
-        """Append a sampled token, decode text, and decide whether the request is done."""
+    def _accept(self, r: Request, logits: torch.Tensor, updates: list[Update]) -> None:
+        """Sample a token from `logits`, append it, decode text, and decide whether the request is done."""
+        token = r.sampler(logits)
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
         r.output.append(token)
@@ -212,7 +251,8 @@ class Engine:
     def _finish(self, r: Request) -> None:
         # The last sampled token was never fed; the state holds tokens[:computed]. Keep it for continuations.
         if r.computed > len(r.prompt):
-            self.cache.insert(r.tokens[:r.computed], self.runner.snapshot(r.slot, r.computed, r.last_logits))
+            self.cache.insert(r.tokens[:r.computed], self.runner.snapshot(r.slot, r.computed, r.last_logits),
+                              salt=r.cache_salt)
         self._release(r)
 
     def _release(self, r: Request) -> None:
@@ -229,13 +269,15 @@ class Engine:
     def warmup(self) -> None:
         """Run every path a request can take (prefill chunks at position 0 and later, a prompt tail, decode at
         every batch size up to max_num_seqs, greedy and sampled, snapshot and full and partial restore), then
-        forget the warmup's cache entries."""
-        n = min(2 * self.prefill_tokens + 3, self.max_model_len - self.max_num_seqs - 8)
+        forget the warmup's cache entries. A context too short for some of these runs what fits."""
+        n = min(2 * self.prefill_tokens + 3, self.max_model_len - 4)     # room for 2 more tokens and 2 outputs
         prompt = [i % self.cfg.vocab_size for i in range(1, n + 1)]
         greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         sampled = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, seed=0, ignore_eos=True)
-        self.run([self.add_request(prompt, greedy), self.add_request(prompt, sampled)])    # fresh, then full hit
-        self.run([self.add_request(prompt + [1, 2], greedy)])                               # partial restore
-        many = SamplingParams(max_tokens=self.max_num_seqs + 2, temperature=0.0, ignore_eos=True)
-        self.run([self.add_request([i + 1, i + 2], many) for i in range(self.max_num_seqs)])  # decode at B = 1..max
+        if prompt:
+            self.run([self.add_request(prompt, greedy), self.add_request(prompt, sampled)])  # fresh, then full hit
+            self.run([self.add_request(prompt + [1, 2], greedy)])                             # partial restore
+        many = SamplingParams(max_tokens=min(self.max_num_seqs + 2, self.max_model_len - 1), temperature=0.0,
+                              ignore_eos=True)
+        self.run([self.add_request([i % self.cfg.vocab_size + 1], many) for i in range(self.max_num_seqs)])
         self.cache.clear()

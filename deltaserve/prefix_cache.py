@@ -2,6 +2,10 @@
 
 A snapshot is only ever used at exactly the length it was taken: a request reuses the longest snapshot whose
 whole key is a prefix of its tokens, never part of one (recurrent state cannot be rewound).
+
+Each cache salt (vLLM's `cache_salt`: a tenant, a user, an API key) has a tree of its own, so a request can only
+reuse, or learn through `cached_tokens` of the existence of, prefixes cached under the same salt. One byte budget
+and one LRU order cover all trees.
 """
 from __future__ import annotations
 
@@ -26,15 +30,18 @@ class PrefixCache:
         """on_drop: told of every snapshot the cache lets go (evicted, replaced or cleared)."""
         self.budget = budget_bytes
         self.on_drop = on_drop
-        self.root = Node((), None)
+        self.roots: dict[str | None, Node] = {}
         self.bytes = 0
         self.entries = 0
         self._clock = itertools.count(1)
 
-    def match(self, tokens: list[int], max_len: int | None = None) -> Snapshot | None:
-        """The longest stored snapshot whose key is a prefix of tokens[:max_len]; marks it recently used."""
+    def match(self, tokens: list[int], max_len: int | None = None, salt: str | None = None) -> Snapshot | None:
+        """The longest snapshot stored under `salt` whose key is a prefix of tokens[:max_len]; marks it recently
+        used."""
         tokens = tokens[:max_len] if max_len is not None else tokens
-        node, depth, best = self.root, 0, None
+        node, depth, best = self.roots.get(salt), 0, None
+        if node is None:
+            return None
         while depth < len(tokens):
             child = node.children.get(tokens[depth])
             if child is None or tuple(tokens[depth:depth + len(child.edge)]) != child.edge:
@@ -47,13 +54,14 @@ class PrefixCache:
         best.last_use = next(self._clock)
         return best.snapshot
 
-    def insert(self, tokens: list[int], snapshot: Snapshot) -> None:
-        """Store `snapshot` as the state after exactly `tokens`; evicts least recently used entries to fit."""
+    def insert(self, tokens: list[int], snapshot: Snapshot, salt: str | None = None) -> None:
+        """Store `snapshot` under `salt` as the state after exactly `tokens`; evicts least recently used entries to
+        fit."""
         assert snapshot.length == len(tokens), "a snapshot is keyed by exactly the tokens it has seen"
         if snapshot.nbytes > self.budget:
             self.on_drop(snapshot)
             return
-        node, depth = self.root, 0
+        node, depth = self.roots.setdefault(salt, Node((), None)), 0
         while depth < len(tokens):
             child = node.children.get(tokens[depth])
             if child is None:
@@ -100,9 +108,11 @@ class PrefixCache:
             else:
                 del parent.children[node.edge[0]]
             node = parent
+        if node.parent is None and not node.children:          # an emptied tree: forget its salt
+            self.roots = {salt: root for salt, root in self.roots.items() if root is not node}
 
     def _nodes(self) -> Any:
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             yield node
@@ -112,7 +122,7 @@ class PrefixCache:
         for node in self._nodes():
             if node.snapshot is not None:
                 self.on_drop(node.snapshot)
-        self.root, self.bytes, self.entries = Node((), None), 0, 0
+        self.roots, self.bytes, self.entries = {}, 0, 0
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:

@@ -1,17 +1,23 @@
 """Sampling parameters, the per-request sampler (greedy / temperature / top-k / top-p, seeded), and stop strings."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): the distribution is already one-hot to within
+# float64 rounding, and dividing by a subnormal temperature would overflow the logits to inf.
+GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)        # what torch.Generator.manual_seed accepts
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16           # None: up to the context length
-    temperature: float = 1.0              # 0: greedy
+    temperature: float = 1.0              # below GREEDY_TEMPERATURE (0 included): greedy
     top_p: float = 1.0
-    top_k: int = 0                        # 0: no top-k cut
+    top_k: int = 0                        # 0 or -1: no top-k cut
     seed: int | None = None               # reproducible sampling for this request, whatever else is batched
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -23,9 +29,11 @@ class SamplingParams:
         checks = [
             (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
              "max_tokens", "must be a positive integer"),
-            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be finite and >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be a non-negative integer (0 = off)"),
+            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be an integer >= -1 (0 or -1 = off)"),
+            (self.seed is None or isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed",
+             f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
         ]
         for ok, name, rule in checks:
@@ -34,7 +42,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class Sampler:
@@ -51,12 +59,13 @@ class Sampler:
                 self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] float32 for this request's next position."""
+        """logits: [vocab] float32 for this request's next position. Sampling math runs in float64, so every
+        accepted temperature and top_p (down to the smallest positive double) gives a valid distribution."""
         p = self.params
         if p.greedy:
             return int(logits.argmax())
-        logits = logits / p.temperature
-        if p.top_k and p.top_k < logits.shape[-1]:
+        logits = logits.double() / p.temperature
+        if 0 < p.top_k < logits.shape[-1]:
             kth = logits.topk(p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if p.top_p < 1.0:
@@ -64,7 +73,7 @@ class Sampler:
             probs = sorted_logits.softmax(-1)
             # drop a token once the mass before it already reaches top_p (the first token always stays)
             drop = probs.cumsum(-1) - probs >= p.top_p
-            logits = logits.index_put((order[drop],), torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put((order[drop],), logits.new_tensor(float("-inf")))
         probs = logits.softmax(-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 

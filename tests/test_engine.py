@@ -126,3 +126,76 @@ def test_warmup_leaves_results_unchanged(tiny_dir):
     warm_llm = LLM(tiny_dir, dtype="float32", warmup=True)
     assert warm_llm.engine.cache.entries == 0 and len(warm_llm.engine.free_slots) == warm_llm.engine.max_num_seqs
     assert warm_llm.generate([ids], GREEDY)[0].token_ids == cold.token_ids
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("injected failure")
+
+
+@pytest.mark.parametrize("site", ["sampler", "decoder", "stops"])
+def test_a_failure_in_one_requests_processing_fails_it_alone(tiny_dir, site):
+    """Sampling, detokenizing and stop strings run per request after the forward: a failure there ends that request
+    with finish_reason "error" and frees its slot; the requests batched with it go on exactly as alone."""
+    llm = LLM(tiny_dir, dtype="float32", prefill_tokens=64)
+    prompts = [prompt(40, seed=20 + i) for i in range(3)]
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    llm.engine.cache.clear()
+    engine = llm.engine
+    good = [engine.add_request(p, GREEDY) for p in prompts]
+    bad = engine.add_request(prompt(40, seed=30), GREEDY)
+    real = {"sampler": bad.sampler, "decoder": bad.decoder.push, "stops": bad.stops.split}[site]
+    calls = [0]
+
+    def flaky(*args, **kwargs):             # fails on its 4th call: mid-decode, after the prefill's first token
+        calls[0] += 1
+        return _raise() if calls[0] == 4 else real(*args, **kwargs)
+    if site == "sampler":
+        bad.sampler = flaky
+    else:
+        setattr(getattr(bad, site), {"decoder": "push", "stops": "split"}[site], flaky)
+    engine.run(good + [bad])
+    assert bad.finish_reason == "error" and "RuntimeError: injected failure" in bad.error
+    assert 0 < len(bad.output) < GREEDY.max_tokens
+    assert [r.output for r in good] == alone
+    assert not engine.running and len(engine.free_slots) == engine.max_num_seqs
+
+
+def test_a_failing_forward_stops_the_engine(tiny_dir):
+    """The model updates every row's state in place: a failed forward cannot be undone for the rows that were fine,
+    so it propagates to the caller (the server then stops) instead of being pinned on one request."""
+    llm = LLM(tiny_dir, dtype="float32")
+    llm.runner.forward = _raise
+    llm.engine.add_request(prompt(10), GREEDY)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.engine.step()
+
+
+def test_warmup_fits_a_tiny_context(tiny_dir):
+    """--max-model-len 10 used to fail warmup with 'the prompt is empty'."""
+    llm = LLM(tiny_dir, dtype="float32", max_model_len=10, warmup=True)
+    out = llm.generate([prompt(4)], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Speed only: B=1 decode steps are dominated by thread hand-offs on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_batch_invariant_bf16_greedy_tokens_equal_each_alone(tiny_dir, one_torch_thread):
+    """24 requests through 8 slots decode in batches of every size; in batch-invariant mode each sequence's bf16
+    tokens are those it gets alone. (Without the mode this tiny bf16 model already diverges here.)"""
+    llm = LLM(tiny_dir, dtype="bfloat16", max_num_seqs=8)
+    llm.engine.batch_invariant = True
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [prompt(10 + 5 * i, seed=40 + i) for i in range(24)]
+    alone = []
+    for p in prompts:
+        llm.engine.cache.clear()                         # alone means alone: no prefix from the previous prompt
+        alone.append(llm.generate([p], params)[0].token_ids)
+    llm.engine.cache.clear()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
