@@ -1,13 +1,18 @@
 """Chat templates: the checkpoint's jinja template rendered in a sandbox (as transformers does), or a built-in
-Kimi template when the checkpoint has none."""
+Kimi template when the checkpoint has none; rendered straight to token ids in which only the template's own markers
+are special tokens."""
 from __future__ import annotations
 
 import json
+import secrets
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 # Kimi-K2-Instruct format: role segments concatenated without newlines.
 KIMI_TEMPLATE = (
@@ -59,3 +64,30 @@ class ChatTemplate:
                                         tools=tools, **self.special_tokens)
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
+
+    def render_ids(self, tokenizer: "Tokenizer | None", messages: list[dict[str, Any]],
+                   add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation as token ids, with everything the caller wrote (contents, roles, names, tool
+        definitions) as plain text: special-token text typed there is encoded as ordinary text, so a user cannot
+        forge turns. Each such occurrence is swapped for an unguessable placeholder before rendering, so the
+        template's logic still sees the rest of the text as sent, and put back as plain text when encoding."""
+        if tokenizer is None:
+            raise ChatTemplateError("this checkpoint has no tokenizer: chat needs one (send token ids instead)")
+        literals: dict[str, str] = {}
+        nonce = secrets.token_hex(8)
+
+        def placeholder(special: Any) -> str:
+            key = f"\ue000{nonce}.{len(literals)}\ue001"
+            literals[key] = special.group()
+            return key
+
+        def shield(value: Any) -> Any:
+            if isinstance(value, str):
+                return tokenizer.special_text.sub(placeholder, value)
+            if isinstance(value, list):
+                return [shield(v) for v in value]
+            if isinstance(value, dict):
+                return {shield(k): shield(v) for k, v in value.items()}
+            return value
+        text = self.render(shield(messages), add_generation_prompt, shield(tools))
+        return tokenizer.encode_with_literals(text, literals)

@@ -140,8 +140,9 @@ class LLM:
         return [RequestOutput.of(r) for r in requests]
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
-        """One assistant turn for `messages`, rendered with the checkpoint's chat template."""
-        return self.generate([self.encode(self.template.render(messages))], params)[0]
+        """One assistant turn for `messages`, rendered with the checkpoint's chat template; special-token text in
+        the messages is plain text."""
+        return self.generate([self.template.render_ids(self.tokenizer, messages)], params)[0]
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position, [T, vocab] float32, from a fresh state."""

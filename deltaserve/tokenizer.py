@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ class Tokenizer:
         extra = extra if isinstance(extra, list) else [extra] if extra is not None else []
         self.eos_token_ids = tuple(dict.fromkeys([*eos_token_ids, *extra]))
         self.chat_template = self._find_template(root)
+        specials = sorted((t for t, i in self._token_to_id.items() if i in self.special_ids), key=len, reverse=True)
+        self.special_text = re.compile("|".join(map(re.escape, specials)) or "(?!)")   # longest first
 
     def _init_tiktoken(self, file: Path) -> None:
         import tiktoken
@@ -58,7 +61,10 @@ class Tokenizer:
         self.special_ids = set(specials.values())
         self._token_to_id = specials
         self._ordinary = range(len(ranks))
+        # each token covers at most this many bytes of text (so at most as many characters)
+        self._longest_token: int | None = max(map(len, [*ranks, *(t.encode() for t in specials)]))
         self._encode = lambda text: self._enc.encode(text, allowed_special="all")
+        self._encode_plain = lambda text: self._enc.encode(text, allowed_special=set(), disallowed_special=())
         self._decode = lambda ids: self._enc.decode(ids)
 
     def _init_hf(self, file: Path) -> None:
@@ -67,7 +73,11 @@ class Tokenizer:
         self.special_ids = {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
         self._token_to_id = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items()}
         self._ordinary = range(self._hf.get_vocab_size(with_added_tokens=True))
+        self._longest_token = None            # a normalizer may shrink text before it is split: no safe bound
         self._encode = lambda text: self._hf.encode(text, add_special_tokens=False).ids
+        plain = HFTokenizer.from_file(str(file))      # a second instance: the flag is per tokenizer, not per call
+        plain.encode_special_tokens = True
+        self._encode_plain = lambda text: plain.encode(text, add_special_tokens=False).ids
         self._decode = lambda ids: self._hf.decode(ids, skip_special_tokens=False)
 
     def _find_template(self, root: Path) -> str | None:
@@ -84,6 +94,35 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Special-token text becomes special ids, as Kimi's tokenizer does; no BOS is added."""
         return self._encode(text)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Special-token text is encoded as the ordinary text it is: no special id can come out."""
+        return self._encode_plain(text)
+
+    def encode_with_literals(self, text: str, literals: dict[str, str]) -> list[int]:
+        """Encode `text` in which each key of `literals` (a placeholder) stands for its value, which is plain text.
+        Special tokens elsewhere in `text` become special ids; the text between them, literals included, is encoded
+        in one piece, as `encode` splits text at special tokens, so the ids equal `encode`'s wherever the literals
+        hold no special-token text."""
+        if not literals:
+            return self.encode(text)
+        marks = re.compile("|".join(map(re.escape, literals)) + "|" + self.special_text.pattern)
+        ids: list[int] = []
+        run, start = "", 0
+        for m in marks.finditer(text):
+            run += text[start:m.start()]
+            start = m.end()
+            if m.group() in literals:
+                run += literals[m.group()]
+                continue
+            ids += self.encode_plain(run) + [self._token_to_id[m.group()]]
+            run = ""
+        return ids + self.encode_plain(run + text[start:])
+
+    def fewest_tokens(self, text_chars: int) -> int:
+        """A lower bound on the tokens of any text of `text_chars` characters (0 when unknown): lets a prompt that
+        cannot fit the context be refused without spending seconds tokenizing megabytes."""
+        return text_chars // self._longest_token if self._longest_token else 0
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # ids the vocabulary lacks (a random model can sample them) decode to nothing
