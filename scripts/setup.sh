@@ -4,6 +4,12 @@
 # On a GPU machine, install the torch build you need into .venv before running this (TORCH_SPEC="" skips the pin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The chat page's browser test drives Debian's chromium: install it when missing and we are root (else it skips).
+if [[ ! -x /usr/bin/chromium && "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } >/dev/null 2>&1 ||
+    echo "setup: could not install chromium; tests/test_chat_page.py will skip" >&2
+fi
 TORCH_SPEC="${TORCH_SPEC-torch==2.13.0}"
 stamp=".venv/.setup-stamp"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) ${TORCH_SPEC}"
