@@ -3,11 +3,75 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)             # torch.Generator's; sampling.py has the same (no torch here)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        """One line, no usage block: the message names the flag and what it takes."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or high is not None and value > high:
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: it must be {bounds}")
+        return value
+    return parse
+
+
+def number(low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (or (low, high])."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or value == low and low_open or value > high:
+            bounds = ("> " if low_open else ">= ") + f"{low:g}" + ("" if high == math.inf else f" and <= {high:g}")
+            raise argparse.ArgumentTypeError(f"{text} is out of range: it must be {bounds}")
+        return value
+    return parse
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def device(text: str) -> str:
+    if text != "cpu":
+        import torch
+        try:
+            torch.device(text)
+        except RuntimeError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    return text
 
 
 def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -17,22 +81,28 @@ def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     else:
         p.add_argument("model", help="checkpoint directory (official Hugging Face layout)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=64, help="delta-rule chunk (tokens); part of the numerics")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30)
-    p.add_argument("--hf-overrides", type=json.loads, default=None, help="JSON merged into config.json")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--device", type=device, default="cpu")
+    p.add_argument("--max-model-len", type=integer(2), default=None)
+    p.add_argument("--chunk-size", type=integer(1), default=64, help="delta-rule chunk (tokens); part of the numerics")
+    p.add_argument("--max-num-seqs", type=integer(1), default=8, help="sequences decoded together")
+    p.add_argument("--prefix-cache-bytes", type=integer(0), default=1 << 30)
+    p.add_argument("--hf-overrides", type=json_object, default=None, help="JSON merged into config.json")
+    p.add_argument("--tensor-parallel-size", type=integer(1), default=1,
                    help="ranks (processes) sharing the model; gloo on CPU, NCCL on CUDA; torchrun for several hosts")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="decode one sequence per forward, so a sequence's logits never depend on what else is "
+                        "batched (bf16 included); costs decode throughput")
 
 
 def load_llm(args: argparse.Namespace, warmup: bool = False):
     from .llm import LLM
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               chunk_size=args.chunk_size, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
-               prefix_cache_bytes=args.prefix_cache_bytes, warmup=warmup,
-               tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              chunk_size=args.chunk_size, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
+              prefix_cache_bytes=args.prefix_cache_bytes, tensor_parallel_size=args.tensor_parallel_size)
+    llm.engine.batch_invariant = args.batch_invariant          # before warmup, which then runs the same path
+    if warmup:
+        llm.engine.warmup()
+    return llm
 
 
 def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, float]]:
@@ -56,10 +126,11 @@ def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, fl
 def cmd_generate(args: argparse.Namespace) -> None:
     from .sampling import SamplingParams
     llm = load_llm(args)
-    text = llm.template.render([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    chat = [{"role": "user", "content": args.prompt}]
+    prompt = llm.template.render_ids(llm.tokenizer, chat) if args.chat else llm.encode(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    stream(llm, llm.encode(text), params)
+    stream(llm, prompt, params)
     print()
 
 
@@ -80,7 +151,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        prompt = llm.encode(llm.template.render(messages))
+        prompt = llm.template.render_ids(llm.tokenizer, messages)
         _, text, s = stream(llm, prompt, params)
         print()
         print(f"[in: {s['cached']} cached + {s['new']} new, prefill {s['prefill_tok_s']:.0f} tok/s, "
@@ -89,23 +160,46 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import os
+    import ipaddress
 
-    import uvicorn
-
-    from .server import ServerState, create_app, start_engine
+    from .serving import ConnectionLimits, ListenError, bind, connection_capacity, serve
+    capacity = connection_capacity()
+    max_connections = min(1024, capacity) if args.max_connections is None else args.max_connections
+    if max_connections > capacity:
+        raise ValueError(f"--max-connections {max_connections}: the open-file limit (ulimit -n) leaves room for "
+                         f"{capacity}; raise the limit or lower the flag")
+    try:
+        sock = bind(args.host, args.port)
+    except ListenError as e:
+        raise ValueError(str(e)) from None
+    address, port = sock.getsockname()[:2]
+    from .guard import LOOPBACK_NAMES, RequestLimits      # after binding: these import torch, which takes seconds
+    from .server import ServerState, create_app, start_engine, stop_admitting, stop_engine
+    allowed = {h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip()} if args.allowed_hosts else set()
+    if "*" in allowed or not (allowed or ipaddress.ip_address(address).is_loopback):
+        hosts = None                       # any Host: a public bind (or '*') is the operator's explicit choice
+    else:
+        hosts = frozenset(allowed | LOOPBACK_NAMES | {args.host.lower(), address})
     default = Path(args.model).resolve() == DEFAULT_MODEL.resolve()
     name = args.served_model_name or ("deltaserve-default" if default else Path(args.model).resolve().name)
-    state = ServerState(name, args.max_queued_requests, args.api_key)
+    state = ServerState(name, args.max_queued_requests, tuple(args.api_key or ()),
+                        RequestLimits(args.max_request_bytes, args.body_timeout, hosts))
 
     def fatal(e: BaseException) -> None:   # a bad checkpoint or config: say why and stop the whole server
         print(f"deltaserve: error: {e}", file=sys.stderr, flush=True)
         os._exit(2)
 
     start_engine(state, lambda: load_llm(args), fatal)
-    print(f"deltaserve: serving '{name}' on http://{args.host}:{args.port} (/health is 503 until warm)",
+    shown = f"[{address}]" if ":" in address else address
+    print(f"deltaserve: serving '{name}' on http://{shown}:{port} (/health is 503 until warm)",
           file=sys.stderr, flush=True)
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
+    limits = ConnectionLimits(args.header_timeout, args.keep_alive_timeout, max_connections)
+    serve(create_app(state), sock, limits, args.shutdown_timeout + 5,
+          lambda signal_name: stop_admitting(state, signal_name, args.shutdown_timeout), state.log)
+    if not stop_engine(state):             # still loading the model: nothing to finish, leave at once
+        print("deltaserve: stopped", file=sys.stderr, flush=True)
+        os._exit(0)
+    print("deltaserve: stopped", file=sys.stderr, flush=True)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -139,52 +233,68 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltaserve", description="Serve hybrid linear-attention LLMs (Kimi Linear).")
+    parser = Parser(prog="deltaserve", description="Serve hybrid linear-attention LLMs (Kimi Linear).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_model_args(p, optional=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-queued-requests", type=int, default=64, help="waiting requests beyond this get 503")
+    p.add_argument("--host", type=nonempty, default="127.0.0.1")
+    p.add_argument("--port", type=integer(0, 65535), default=8000)
+    p.add_argument("--api-key", type=nonempty, action="append",
+                   help="require 'Authorization: Bearer KEY' on every route but /health; repeat for several keys, "
+                        "each then with a prefix cache of its own")
+    p.add_argument("--served-model-name", type=nonempty, default=None)
+    p.add_argument("--max-queued-requests", type=integer(0), default=64, help="waiting requests beyond this get 503")
+    p.add_argument("--max-request-bytes", type=integer(1), default=16 << 20, help="larger request bodies get 413")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names answered besides the bound address and localhost; only checked "
+                        "when bound to a loopback address, unless given ('*': any)")
+    p.add_argument("--shutdown-timeout", type=number(0), default=5.0,
+                   help="seconds running requests get to finish after SIGINT / SIGTERM before they are cut")
+    p.add_argument("--header-timeout", type=number(0, low_open=True), default=10.0,
+                   help="seconds a connection gets to send a request's headers")
+    p.add_argument("--body-timeout", type=number(0, low_open=True), default=30.0,
+                   help="seconds a request gets to send its body")
+    p.add_argument("--keep-alive-timeout", type=number(0, low_open=True), default=5.0,
+                   help="idle seconds before a kept-alive connection is closed")
+    p.add_argument("--max-connections", type=integer(1), default=None,
+                   help="open connections beyond this are closed at once (default: 1024, or what ulimit -n allows)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     add_model_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user message")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=integer(1), default=64)
+    p.add_argument("--temperature", type=number(0), default=0.0)
+    p.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0)
+    p.add_argument("--seed", type=integer(*SEED_RANGE), default=None)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     add_model_args(p, optional=True)
     p.add_argument("--system", default=None)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=integer(1), default=256)
+    p.add_argument("--temperature", type=number(0), default=0.7)
+    p.add_argument("--seed", type=integer(*SEED_RANGE), default=None)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="measure load, prefill, decode and prefix-reuse speed")
     add_model_args(p)
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=integer(1), default=512)
+    p.add_argument("--decode-tokens", type=integer(1), default=32)
+    p.add_argument("--batch", type=integer(1), default=8)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("inspect", help="checkpoint audit and memory estimate (reads headers and index only)")
     p.add_argument("model")
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--context", type=integer(1), default=4096)
+    p.add_argument("--tp", type=integer(1), default=1)
     p.add_argument("--json", action="store_true")
     p.add_argument("--metadata-only", action="store_true", help="only config.json and the index are present")
-    p.add_argument("--device-memory", type=int, default=None, help="bytes per device, for a fit verdict")
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--device-memory", type=integer(1), default=None, help="bytes per device, for a fit verdict")
+    p.add_argument("--max-num-seqs", type=integer(1), default=8)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.set_defaults(func=cmd_inspect)
 
@@ -197,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny", help="write a random-weight checkpoint in the official layout")
     p.add_argument("dst")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0, SEED_RANGE[1]), default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--preset", default="tiny", choices=["tiny", "bench"], help="bench: hidden 1024, 12 layers, 32 experts")
     p.set_defaults(func=cmd_make_tiny)
@@ -207,7 +317,6 @@ def build_parser() -> argparse.ArgumentParser:
 def run_torchrun_worker(args: argparse.Namespace) -> None:
     """Under torchrun, ranks other than 0 only serve their slice of the model to rank 0."""
     import functools
-    import os
 
     from .config import ModelConfig
     from .llm import context_length, make_runner
@@ -220,14 +329,12 @@ def run_torchrun_worker(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import os
-
+    args = build_parser().parse_args(argv)           # first: a bad flag is refused before torch is imported
     from .chat import ChatTemplateError
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .engine import RequestError
     from .tokenizer import TokenizerError
-    args = build_parser().parse_args(argv)
     if int(os.environ.get("RANK", "0")) > 0 and getattr(args, "tensor_parallel_size", 1) > 1:
         args.func = run_torchrun_worker
     try:

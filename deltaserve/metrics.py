@@ -29,11 +29,13 @@ class Histogram:
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# every outcome is exported from the start, at 0, so a dashboard's rate() sees its first occurrence
+OUTCOMES = ("finished", "aborted", "error", "client_disconnected", "rejected_invalid", "rejected_overloaded")
 
 
 class Metrics:
     def __init__(self) -> None:
-        self.requests: dict[str, int] = {}
+        self.requests: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.itl = Histogram(LATENCY_BUCKETS)

@@ -3,6 +3,7 @@
 The engine runs in one background thread that steps while there is work; each HTTP request registers an
 asyncio queue and receives its updates through it. The socket opens at once, but /health answers 503 and
 every API route refuses with 503 until the model is loaded and warmed, so no user request pays for warmup.
+Parsing, chat templates and tokenizing run in worker threads, so one huge request never stalls the event loop.
 """
 from __future__ import annotations
 
@@ -16,37 +17,20 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
+from .chat import ChatTemplateError
+from .chat_page import chat_page
 from .engine import Engine, RequestError, Update
+from .guard import RequestGuard, RequestLimits
 from .metrics import Metrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, RequestInvalid, parse
 from .sampling import SamplingParams
-
-# ---- errors ----------------------------------------------------------------------------------------------
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None,
-           check: Callable[[Any], bool] = lambda v: True, rule: str = "") -> Any:
-    """body[name] if it is of `kinds` and passes `check` (JSON true/false never counts as a number)."""
-    value = body.get(name)
-    if value is None:
-        return default
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds) or not check(value):
-        raise APIError(400, f"'{name}': {json.dumps(value)[:100]} is invalid{': ' + rule if rule else ''}", param=name)
-    return value
-
 
 # ---- the engine thread -------------------------------------------------------------------------------------
 
@@ -75,15 +59,15 @@ class EngineThread:
         self.ready.set()
         try:
             self._run()
-        except BaseException as e:  # noqa: BLE001 - e.g. a tensor-parallel rank died: the server cannot go on
+        except BaseException as e:  # noqa: BLE001 - the model's forward failed (e.g. a dead rank): cannot go on
             self._on_error(e)
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
+    def submit(self, prompt: list[int], params: SamplingParams, cache_salt: str | None) -> tuple[str, asyncio.Queue]:
         request_id = secrets.token_hex(12)
         queue: asyncio.Queue = asyncio.Queue()
         self.routes[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, cache_salt)
         except RequestError:
             del self.routes[request_id]
             raise
@@ -93,6 +77,10 @@ class EngineThread:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         self.wake.set()
+
+    def abort_all(self) -> None:
+        for request_id in list(self.routes):
+            self.abort(request_id)
 
     def _run(self) -> None:
         while not self.stopping:
@@ -121,138 +109,190 @@ class EngineThread:
 class ServerState:
     model_name: str
     max_queued_requests: int = 64
-    api_key: str | None = None
-    llm: Any = None                 # deltaserve.LLM once loaded and warm
+    api_keys: tuple[str, ...] = ()      # several keys: each is a tenant with a prefix cache of its own
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    llm: Any = None                     # deltaserve.LLM once loaded and warm
     runner: EngineThread | None = None
     metrics: Metrics = field(default_factory=Metrics)
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+    stopping: bool = False              # a signal arrived: no new requests
 
     @property
     def ready(self) -> bool:
         return self.runner is not None and self.runner.ready.is_set()
 
 
+BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None)
+    app = FastAPI(title="deltaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestGuard, limits=state.limits)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return e.response()
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        message = {404: f"there is no route {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return APIError(e.status_code, message, type_=kind, headers=e.headers).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return APIError(400, str(e.errors()[0].get("msg", e))).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(e).__name__}", type_="internal_server_error").response()
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> Response:
+        return chat_page()          # no key needed: the page asks for one and sends it with each API call
+
+    @app.head("/health", include_in_schema=False)
     @app.get("/health")
     async def health() -> Response:
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "stopping" if state.stopping else "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        _tenant(state, request)
         engine = state.llm.engine if state.ready else None
         return PlainTextResponse(state.metrics.render(engine), media_type="text/plain; version=0.0.4")
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        _tenant(state, request)
+        return JSONResponse(_openapi(app))
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        _check_auth(state, request)
+        _tenant(state, request)
         data = [{"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "deltaserve",
                  "max_model_len": state.llm.max_model_len if state.ready else None}]
         return JSONResponse({"object": "list", "data": data})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        body = await _body(state, request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "'messages': must be a non-empty list of messages", param="messages")
-        tools = _field(body, "tools", list)
-        try:
-            text = state.llm.template.render(messages, add_generation_prompt=True, tools=tools)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        return await _complete(state, request, body, state.llm.encode(text), chat=True)
+        tenant = _admit(state, request)
+        body, prompt = await run_in_threadpool(_prepare_chat, state, await request.body())
+        return await _complete(state, request, tenant, body, prompt, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        body = await _body(state, request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str) and prompt:
-            ids = state.llm.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = prompt
-        else:
-            raise APIError(400, "'prompt': must be a non-empty string or list of token ids (one prompt per request)",
-                           param="prompt")
-        return await _complete(state, request, body, ids, chat=False)
+        tenant = _admit(state, request)
+        body, prompt = await run_in_threadpool(_prepare_completion, state, await request.body())
+        return await _complete(state, request, tenant, body, prompt, chat=False)
 
     return app
 
 
-def _check_auth(state: ServerState, request: Request) -> None:
-    if state.api_key is not None and request.headers.get("authorization") != f"Bearer {state.api_key}":
-        raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+def _body_schema(model: type) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-async def _body(state: ServerState, request: Request) -> dict[str, Any]:
-    _check_auth(state, request)
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema of the routes plus the request models, which the routes parse themselves (off the loop)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in BODIES.values()],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _tenant(state: ServerState, request: Request) -> int | None:
+    """The index of the API key the request carries; None when the server has no keys. 401 otherwise."""
+    if not state.api_keys:
+        return None
+    sent = request.headers.get("authorization", "").encode("latin-1")
+    for i, key in enumerate(state.api_keys):
+        if secrets.compare_digest(sent, f"Bearer {key}".encode()):
+            return i
+    raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+
+
+def _admit(state: ServerState, request: Request) -> int | None:
+    tenant = _tenant(state, request)
+    _check_open(state)
+    return tenant
+
+
+def _check_open(state: ServerState) -> None:
     if not state.ready:
         raise APIError(503, "the model is still loading", type_="service_unavailable")
+    if state.stopping:
+        raise APIError(503, "the server is shutting down", type_="service_unavailable", code="shutting_down")
+
+
+def _parse(kind: type, state: ServerState, body: bytes) -> Any:
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+        request = parse(kind, body)
+    except RequestInvalid as e:
+        state.metrics.count("rejected_invalid")
+        raise APIError(400, str(e), param=e.param) from None
+    if request.model is not None and request.model != state.model_name:
+        raise APIError(404, f"the model '{request.model}' does not exist; this server serves '{state.model_name}'",
                        type_="not_found_error", param="model", code="model_not_found")
-    return body
+    return request
 
 
-def _sampling_params(body: dict[str, Any]) -> tuple[SamplingParams, bool]:
-    n = _field(body, "n", int, 1)
-    if n != 1:
-        raise APIError(400, "'n': only n = 1 is supported", param="n")
-    # Refuse rather than silently ignore what would change the answer's form.
-    for name in ("logprobs", "top_logprobs", "echo"):
-        if body.get(name):
-            raise APIError(400, f"'{name}' is not supported", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise APIError(400, "'response_format': only {\"type\": \"text\"} is supported", param="response_format")
-    positive = lambda v: v >= 1
-    max_tokens = _field(body, "max_completion_tokens", int, None, positive, "must be >= 1")
-    if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int, None, positive, "must be >= 1")
-    stop = _field(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise APIError(400, "'stop': must be a string or a list of at most 16 non-empty strings", param="stop")
-    stream_options = _field(body, "stream_options", dict, {})
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=float(_field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be in [0, 2]")),
-        top_p=float(_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")),
-        top_k=_field(body, "top_k", int, 0, lambda v: v >= 0, "must be >= 0 (0 = off)"),
-        seed=_field(body, "seed", int, None),
-        stop=stop,
-        ignore_eos=_field(body, "ignore_eos", bool, False),
-    )
-    return params, bool(stream_options.get("include_usage"))
+def _prepare_chat(state: ServerState, body: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+    """Parse, render and tokenize (in a worker thread). Special-token text in messages stays plain text."""
+    request = _parse(ChatCompletionRequest, state, body)
+    contents = [m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+                for m in request.messages]
+    _refuse_if_surely_too_long(state, sum(map(len, contents)), "messages")
+    messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    try:
+        prompt = state.llm.template.render_ids(state.llm.tokenizer, messages, True, request.tools)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return request, prompt
 
 
-async def _complete(state: ServerState, request: Request, body: dict[str, Any], prompt: list[int],
-                    chat: bool) -> Response:
-    params, include_usage = _sampling_params(body)
-    stream = _field(body, "stream", bool, False)
+def _prepare_completion(state: ServerState, body: bytes) -> tuple[CompletionRequest, list[int]]:
+    """Parse and tokenize (in a worker thread). A text prompt is raw: special-token text in it is special."""
+    request = _parse(CompletionRequest, state, body)
+    prompt = request.single_prompt
+    if isinstance(prompt, list):
+        return request, prompt
+    if state.llm.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+    _refuse_if_surely_too_long(state, len(prompt), "prompt")
+    return request, state.llm.encode(prompt)
+
+
+def _refuse_if_surely_too_long(state: ServerState, text_chars: int, param: str) -> None:
+    fewest = state.llm.tokenizer.fewest_tokens(text_chars) if state.llm.tokenizer else 0
+    if fewest >= state.llm.max_model_len:
+        raise APIError(400, f"the prompt has at least {fewest} tokens ({text_chars} characters), but the context is "
+                            f"{state.llm.max_model_len}", param=param, code="context_length_exceeded")
+
+
+def _cache_salt(state: ServerState, tenant: int | None, salt: str | None) -> str | None:
+    """With several API keys, each key's requests share prefixes only among themselves, whatever salt they send."""
+    return f"key{tenant}:{salt or ''}" if len(state.api_keys) > 1 else salt
+
+
+async def _complete(state: ServerState, request: Request, tenant: int | None,
+                    body: ChatCompletionRequest | CompletionRequest, prompt: list[int], chat: bool) -> Response:
+    params = body.sampling_params()
     engine = state.llm.engine
+    _check_open(state)                           # again: the body was parsed in a worker thread meanwhile
     if len(engine.waiting) >= state.max_queued_requests:
         state.metrics.count("rejected_overloaded")
         raise APIError(503, f"the server is overloaded: {len(engine.waiting)} requests are already waiting",
                        type_="service_unavailable", code="overloaded")
     try:
-        request_id, queue = state.runner.submit(prompt, params)
+        request_id, queue = state.runner.submit(prompt, params, _cache_salt(state, tenant, body.cache_salt))
     except RequestError as e:
         state.metrics.count("rejected_invalid")
         raise APIError(400, str(e), param="messages" if chat else "prompt",
@@ -260,7 +300,7 @@ async def _complete(state: ServerState, request: Request, body: dict[str, Any], 
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
-    log = RequestLog(state, request.url.path, len(prompt))
+    log = RequestLog(state, request.url.path, len(prompt), response_id)
     common = {"id": response_id, "created": created, "model": state.model_name}
 
     def usage(r: Any) -> dict[str, Any]:
@@ -268,20 +308,13 @@ async def _complete(state: ServerState, request: Request, body: dict[str, Any], 
                 "total_tokens": len(prompt) + len(r.output),
                 "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}
 
-    if not stream:
-        text, last = "", None
-        try:
-            while True:
-                last = await queue.get()
-                log.token(last)
-                text += last.text
-                if last.finished:
-                    break
-        except asyncio.CancelledError:
-            state.runner.abort(request_id)
-            log.disconnected()
-            raise
-        r = last.request
+    if not body.stream:
+        collected = await _collect(state, request, request_id, queue, log)
+        if collected is None:
+            return Response(status_code=204)               # nobody is listening
+        text, r = collected
+        if r.finish_reason == "error":
+            return log.failed(r).response()
         log.done(r)
         choice = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -309,13 +342,17 @@ async def _complete(state: ServerState, request: Request, body: dict[str, Any], 
                 # one event per token, even while its text is held back (a partial character or a possible
                 # stop string): clients see steady progress, and a closed connection is noticed within a step
                 r = update.request
+                if update.finished and r.finish_reason == "error":
+                    finished = True
+                    yield event(log.failed(r).body())
+                    yield "data: [DONE]\n\n"
+                    return
                 yield chunk(update.text, r.finish_reason if update.finished else None)
                 if update.finished:
                     finished = True
                     break
-            r = update.request
             log.done(r)
-            if include_usage:
+            if body.include_usage:
                 yield event({**common, "object": "chat.completion.chunk" if chat else "text_completion",
                              "choices": [], "usage": usage(r)})
             yield "data: [DONE]\n\n"
@@ -327,11 +364,61 @@ async def _complete(state: ServerState, request: Request, body: dict[str, Any], 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+async def _collect(state: ServerState, request: Request, request_id: str, queue: asyncio.Queue,
+                   log: RequestLog) -> tuple[str, Any] | None:
+    """Wait for a non-streamed request's updates: (its text, the finished request), or None if the client left,
+    in which case the request was aborted (within one engine step) and its slot freed."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    gone.add_done_callback(lambda task: task.cancelled() or state.runner.abort(request_id))
+    text, finished = "", False
+    try:
+        while not finished:
+            update = await queue.get()
+            log.token(update)
+            text += update.text
+            finished = update.finished
+    finally:
+        gone.cancel()
+        if not finished:                     # this task was cancelled (the server is stopping)
+            state.runner.abort(request_id)
+    if gone.done() and not gone.cancelled():
+        log.disconnected()
+        return None
+    return text, update.request
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed its connection (the body was already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def stop_admitting(state: ServerState, signal_name: str, timeout: float) -> None:
+    """On a signal (on the event loop): refuse new requests, give running ones `timeout` seconds, then abort
+    them, which ends each stream with a final event carrying finish_reason "abort"."""
+    state.stopping = True
+    running = len(state.runner.routes) if state.ready else 0
+    state.log(f"deltaserve: {signal_name}: stopping; {running} running requests get up to {timeout:g} s to finish")
+    if state.ready:
+        asyncio.get_running_loop().call_later(timeout, state.runner.abort_all)
+
+
+def stop_engine(state: ServerState, timeout: float = 10.0) -> bool:
+    """Stop the engine thread and the model's worker processes; False if the thread is still busy (loading)."""
+    if state.runner is None:
+        return True
+    state.runner.stop()
+    state.runner.thread.join(timeout)
+    if state.llm is not None:
+        state.llm.close()
+    return not state.runner.thread.is_alive()
+
+
 class RequestLog:
     """One stderr line per request, like the seed's: cached + new prompt tokens, speeds, output, total time."""
 
-    def __init__(self, state: ServerState, path: str, prompt_tokens: int):
-        self.state, self.path, self.prompt_tokens = state, path, prompt_tokens
+    def __init__(self, state: ServerState, path: str, prompt_tokens: int, response_id: str):
+        self.state, self.path, self.prompt_tokens, self.response_id = state, path, prompt_tokens, response_id
         self.start = time.perf_counter()
         self.first: float | None = None
         self.last: float | None = None
@@ -359,11 +446,18 @@ class RequestLog:
 
     def done(self, r: Any) -> None:
         m = self.state.metrics
-        m.count("finished")
+        m.count("finished" if r.finish_reason != "abort" else "aborted")
         m.prompt_tokens += self.prompt_tokens
         m.generation_tokens += len(r.output)
         m.cached_tokens += r.num_cached_tokens
         self.state.log(self._line(r, ""))
+
+    def failed(self, r: Any) -> APIError:
+        """The request failed inside the engine (the others went on): log it once, and the error for the client."""
+        self.state.metrics.count("error")
+        self.state.log(f"{self.path}  --  {self.response_id} failed: {r.error}")
+        return APIError(500, f"internal error while generating {self.response_id}; other requests are unaffected",
+                        type_="internal_server_error")
 
     def disconnected(self) -> None:
         self.state.metrics.count("client_disconnected")

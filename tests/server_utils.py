@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -15,16 +16,21 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, timeout: float = 120):
+    def __init__(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None, **popen):
+        """`env`: variables added to this environment; `popen`: more subprocess.Popen arguments. The server's
+        stderr goes to a file (a pipe nobody reads would block a server that logs a lot)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(os.devnull if os.environ.get("CI") else "/tmp/deltaserve-test-server.log", "ab")
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", *args, "--port", str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=self.err, env={**os.environ, **(env or {})},
+                                     **popen)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
+                raise RuntimeError(f"server exited: {self.stderr()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -34,17 +40,23 @@ class Server:
         self.stop()
         raise TimeoutError("server did not become healthy")
 
+    def stderr(self) -> str:
+        """Everything the server has written to stderr so far."""
+        self.err.seek(0)
+        return self.err.read().decode(errors="replace")
+
     def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+        for line in httpx.get(f"{self.url}/metrics", headers=self.headers).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise KeyError(name)
 
     def stop(self) -> str:
+        """Stop the server (SIGTERM, then SIGKILL after 15 s); returns its stderr."""
         self.proc.terminate()
         try:
-            _, err = self.proc.communicate(timeout=15)
+            self.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return err
+            self.proc.wait()
+        return self.stderr()

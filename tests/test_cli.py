@@ -1,6 +1,7 @@
 """The `deltaserve` command as a user runs it."""
 import json
 import re
+import socket
 import subprocess
 import sys
 
@@ -45,3 +46,40 @@ def test_bad_checkpoint_is_one_clear_line(tmp_path):
 def test_missing_cuda_is_one_clear_line(tiny_dir):
     r = run("generate", str(tiny_dir), "--prompt", "x", "--device", "cuda")
     assert r.returncode == 2 and r.stderr.startswith("deltaserve: error: device 'cuda': CUDA is not available")
+
+
+BAD_SERVE_OPTIONS = {
+    "--max-num-seqs 0": "argument --max-num-seqs: 0 is out of range: it must be >= 1",
+    "--port 99999": "argument --port: 99999 is out of range: it must be in [0, 65535]",
+    "--tensor-parallel-size 0": "argument --tensor-parallel-size: 0 is out of range: it must be >= 1",
+    "--max-model-len 1": "argument --max-model-len: 1 is out of range: it must be >= 2",
+    "--prefix-cache-bytes -1": "argument --prefix-cache-bytes: -1 is out of range: it must be >= 0",
+    "--chunk-size 0": "argument --chunk-size: 0 is out of range: it must be >= 1",
+    "--hf-overrides [1]": "argument --hf-overrides: must be a JSON object",
+    "--host no-such-host.invalid": "deltaserve: error: --host no-such-host.invalid: cannot resolve it",
+    "--port {taken}": "deltaserve: error: cannot listen on 127.0.0.1:{taken}: Address already in use",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_serve_runs():
+    """Every case of BAD_SERVE_OPTIONS, run at once (each process imports torch: seconds apiece)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        procs = {case: subprocess.Popen([sys.executable, "-m", "deltaserve", "serve",
+                                         *case.replace("{taken}", port).split()],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for case in BAD_SERVE_OPTIONS}
+        runs = {case: (p.wait(120), p.stderr.read()) for case, p in procs.items()}
+    return port, runs
+
+
+@pytest.mark.parametrize("case", list(BAD_SERVE_OPTIONS))
+def test_bad_serve_options_are_one_line_exit_2_before_serving(bad_serve_runs, case):
+    """Refused before 'serving on' is printed, naming the flag, in one line; no traceback, no SIGABRT."""
+    port, runs = bad_serve_runs
+    code, stderr = runs[case]
+    assert code == 2 and BAD_SERVE_OPTIONS[case].replace("{taken}", port) in stderr, stderr
+    assert len(stderr.splitlines()) == 1 and "serving on" not in stderr

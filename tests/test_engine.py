@@ -132,8 +132,17 @@ def _raise(*args, **kwargs):
     raise RuntimeError("injected failure")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Speed only: B=1 decode steps are dominated by thread hand-offs on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("site", ["sampler", "decoder", "stops"])
-def test_a_failure_in_one_requests_processing_fails_it_alone(tiny_dir, site):
+def test_a_failure_in_one_requests_processing_fails_it_alone(tiny_dir, site, one_torch_thread):
     """Sampling, detokenizing and stop strings run per request after the forward: a failure there ends that request
     with finish_reason "error" and frees its slot; the requests batched with it go on exactly as alone."""
     llm = LLM(tiny_dir, dtype="float32", prefill_tokens=64)
@@ -175,15 +184,6 @@ def test_warmup_fits_a_tiny_context(tiny_dir):
     llm = LLM(tiny_dir, dtype="float32", max_model_len=10, warmup=True)
     out = llm.generate([prompt(4)], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
-
-
-@pytest.fixture
-def one_torch_thread():
-    """Speed only: B=1 decode steps are dominated by thread hand-offs on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_batch_invariant_bf16_greedy_tokens_equal_each_alone(tiny_dir, one_torch_thread):
