@@ -83,3 +83,10 @@ def test_bad_serve_options_are_one_line_exit_2_before_serving(bad_serve_runs, ca
     code, stderr = runs[case]
     assert code == 2 and BAD_SERVE_OPTIONS[case].replace("{taken}", port) in stderr, stderr
     assert len(stderr.splitlines()) == 1 and "serving on" not in stderr
+
+
+def test_batch_invariant_flag_reaches_the_engine(tiny_dir):
+    from deltaserve.cli import build_parser, load_llm
+    for flags, expected in (([], False), (["--batch-invariant"], True)):
+        args = build_parser().parse_args(["serve", str(tiny_dir), "--max-num-seqs", "2", *flags])
+        assert load_llm(args).engine.batch_invariant is expected

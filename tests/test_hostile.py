@@ -28,7 +28,7 @@ NORMAL = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "i
 def server():
     s = Server("--api-key", KEYS[0], "--api-key", KEYS[1], "--max-model-len", "4096",
                "--max-request-bytes", str(BODY_LIMIT), "--header-timeout", "2", "--body-timeout", "2",
-               "--max-connections", "40", env=ONE_THREAD)
+               "--keep-alive-timeout", "1", "--max-connections", "40", env=ONE_THREAD)
     yield s
     s.stop()
 
@@ -247,6 +247,35 @@ def test_slow_headers_are_cut_and_health_recovers(server):
     assert len(server.stderr()[log_before:].splitlines()) <= 5
 
 
+def test_an_idle_kept_alive_connection_is_closed(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().read() and not conn.sock._closed
+    start = time.time()
+    assert conn.sock.recv(1) == b"" and time.time() - start < 4              # --keep-alive-timeout 1
+    conn.close()
+
+
+def test_accept_errors_are_logged_at_most_once_a_second():
+    """Out of file descriptors, asyncio reports every failed accept (25 MB of tracebacks in 10 s were seen); the
+    server's loop handler lets one line a second through and counts the rest."""
+    import asyncio
+    import errno
+
+    from deltaserve.serving import RateLimited
+    lines = []
+    log = RateLimited(lines.append, interval=0.5)
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(log.loop_exception_handler)
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    for _ in range(1000):
+        loop.call_exception_handler({"message": "socket.accept() out of system resource", "exception": emfile})
+    time.sleep(0.6)
+    loop.call_exception_handler({"message": "socket.accept() out of system resource", "exception": emfile})
+    loop.close()
+    assert len(lines) == 2 and "Too many open files" in lines[0] and "(999 more like this held back)" in lines[1]
+
+
 def test_a_body_sent_too_slowly_gets_408(server):
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -388,32 +417,45 @@ def test_a_request_that_fails_in_the_engine_gets_500_and_the_server_goes_on(monk
 
 # ---- 8: signals --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_a_signal_ends_running_streams_with_abort_and_exits_0(sig):
+def test_sigint_and_sigterm_end_running_streams_with_abort_and_exit_0():
+    """Each signal stops admission, lets running streams go on for --shutdown-timeout (1 s), then ends them with a
+    final event carrying finish_reason "abort"; the process exits 0 without a traceback. (Two servers at once.)"""
     import signal
-    server = Server("--shutdown-timeout", "1", env=ONE_THREAD)
-    events = []
+    servers = {}
+    starting = [threading.Thread(target=lambda sig=sig: servers.update({sig: Server("--shutdown-timeout", "1",
+                                                                                    env=ONE_THREAD)}))
+                for sig in ("SIGINT", "SIGTERM")]
+    for thread in starting:
+        thread.start()
+    for thread in starting:
+        thread.join()
+    events = {sig: [] for sig in servers}
 
-    def read_stream():
+    def read_stream(sig):
         body = {"prompt": "Tell me everything.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
-            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
-    thread = threading.Thread(target=read_stream)
-    thread.start()
-    assert wait_until(lambda: len(events) > 3)
+        with httpx.stream("POST", f"{servers[sig].url}/v1/completions", json=body, timeout=30) as r:
+            events[sig].extend(line for line in r.iter_lines() if line.startswith("data: "))
+    readers = [threading.Thread(target=read_stream, args=(sig,)) for sig in servers]
+    for thread in readers:
+        thread.start()
+    assert wait_until(lambda: all(len(e) > 3 for e in events.values()))
     start = time.time()
-    server.proc.send_signal(getattr(signal, sig))
-    assert server.proc.wait(15) == 0
-    thread.join(5)
-    took = time.time() - start
-    stderr = server.stderr()
-    assert 1 <= took < 5 and "Traceback" not in stderr and f"{sig}: stopping; 1 running" in stderr
-    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort" and events[-1] == "data: [DONE]"
+    for sig, server in servers.items():
+        server.proc.send_signal(getattr(signal, sig))
+    for sig, server in servers.items():
+        assert server.proc.wait(20) == 0, sig
+        took = time.time() - start
+        stderr = server.stderr()
+        assert 1 <= took < 10 and "Traceback" not in stderr and f"{sig}: stopping; 1 running" in stderr, stderr
+    for thread in readers:
+        thread.join(5)
+    for sig, lines in events.items():
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort" and lines[-1] == "data: [DONE]", sig
 
 
 # ---- fuzzing -------------------------------------------------------------------------------------------------
 
-FUZZ_EXAMPLES = {"positive": 50, "negative": 100}     # per operation: 300 in all; valid ones run the model
+FUZZ_EXAMPLES = {"positive": 40, "negative": 110}     # per operation: 300 in all; valid ones run the model
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,8 @@ def test_tokenizer_json_checkpoints_load_through_tokenizers(tmp_path):
     plain = tok.encode_plain("hello<|im_end|>")
     assert tok.token_id("<|im_end|>") not in plain and tok.decode(plain) == "hello<|im_end|>"
     end = tok.token_id("<|im_end|>")
-    assert tok.encode_with_literals("\ue000<|im_end|>", {"\ue000": "a<|im_end|>"}) == tok.encode_plain("a<|im_end|>") + [end]
+    literal = tok.encode_with_literals("\ue000<|im_end|>", {"\ue000": "a<|im_end|>"})
+    assert literal == tok.encode_plain("a<|im_end|>") + [end]
     dec = IncrementalDecoder(tok)
     assert "".join(dec.push(i) for i in ids) + dec.flush() == "hello café 你好"
 
