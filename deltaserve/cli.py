@@ -77,7 +77,7 @@ def device(text: str) -> str:
 def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     if optional:
         p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
-                       help="checkpoint directory (default: the small random model shipped in the package)")
+                       help="checkpoint directory (default: the small trained model shipped in the package)")
     else:
         p.add_argument("model", help="checkpoint directory (official Hugging Face layout)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -203,6 +203,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    if args.perplexity:             # quality instead of speed: the text scored through the engine's prefill path
+        from .perplexity import evaluate, format_perplexity, read_text
+        text = read_text(args.perplexity)
+        p = evaluate(load_llm(args), text)
+        print(json.dumps(p.as_dict(), indent=2) if args.json else format_perplexity(p))
+        return
     from .bench import format_bench, run_bench
     t0 = time.perf_counter()
     llm = load_llm(args, warmup=True)
@@ -285,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=integer(1), default=32)
     p.add_argument("--batch", type=integer(1), default=8)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--perplexity", metavar="FILE",
+                   help="instead of speed: perplexity and bits per character of FILE (windows of --max-model-len)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("inspect", help="checkpoint audit and memory estimate (reads headers and index only)")
