@@ -1,6 +1,6 @@
 """Read official safetensors checkpoints: find shards, parse headers, validate names and shapes, then fill
 the model's tensors one at a time (each converted to its target dtype and dropped), so peak memory stays
-near the size of the loaded model."""
+near the size of the loaded model. Under tensor parallelism each rank reads only its slice of split tensors."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
+
+from .distributed import TP
+from .models.spec import SplitPlan
 
 INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {
@@ -93,29 +96,33 @@ def _same_shape(found: tuple[int, ...], expected: tuple[int, ...]) -> bool:
     return tuple(d for d in found if d != 1) == tuple(d for d in expected if d != 1)
 
 
-def full_shape(name: str, local: torch.Size, shard: tuple[int, int]) -> tuple[int, ...]:
+NO_SPLIT = SplitPlan(())
+
+
+def full_shape(name: str, local: torch.Size, tp: TP, plan: SplitPlan) -> tuple[int, ...]:
     """The checkpoint shape of a tensor whose rank-local slice is `local` (split by the TP plan)."""
-    from .parallel import split_dim
-    shape, d = list(local), split_dim(name) if shard[1] > 1 else None
+    shape, d = list(local), plan.dim(name) if tp.size > 1 else None
     if d is not None:
-        shape[d] *= shard[1]
+        shape[d] *= tp.size
     return tuple(shape)
 
 
 def validate(tensors: dict[str, TensorInfo], targets: dict[str, torch.Tensor], root: str | Path,
-             shard: tuple[int, int] = (0, 1)) -> None:
+             tp: TP = TP(), plan: SplitPlan = NO_SPLIT, prefix: str = "") -> None:
+    """Every target present with its shape and a compatible dtype, and nothing else under `prefix`."""
     missing = sorted(set(targets) - set(tensors))
     if missing:
-        shown = ", ".join(f"{n} (expected shape {list(full_shape(n, targets[n].shape, shard))})" for n in missing[:5])
+        shown = ", ".join(f"{n} (expected shape {list(full_shape(n, targets[n].shape, tp, plan))})"
+                          for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{root}: missing tensor(s) {shown}{more}")
-    unexpected = sorted(set(tensors) - set(targets))
+    unexpected = sorted(n for n in tensors if n.startswith(prefix) and n not in targets)
     if unexpected:
         shown = ", ".join(f"{n} in {tensors[n].file.name}" for n in unexpected[:5])
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise CheckpointError(f"{root}: unexpected tensor(s) {shown}{more}")
     for name, target in targets.items():
-        info, expected = tensors[name], full_shape(name, target.shape, shard)
+        info, expected = tensors[name], full_shape(name, target.shape, tp, plan)
         if not _same_shape(info.shape, expected):
             raise CheckpointError(f"{info.file}: tensor {name} has shape {list(info.shape)}, expected {list(expected)}")
         if info.dtype not in SAFETENSORS_DTYPES:
@@ -127,12 +134,12 @@ def validate(tensors: dict[str, TensorInfo], targets: dict[str, torch.Tensor], r
 
 @torch.inference_mode()
 def load_into(targets: dict[str, torch.Tensor], path: str | Path, progress: bool | None = None,
-              shard: tuple[int, int] = (0, 1)) -> None:
-    """Validate the whole checkpoint against `targets` first, then copy each tensor into its target.
-    shard = (rank, size): read only this rank's slice of each tensor the TP plan splits."""
-    from .parallel import split_dim
+              tp: TP = TP(), plan: SplitPlan = NO_SPLIT, prefix: str = "") -> None:
+    """Validate the whole checkpoint against `targets` (full checkpoint names) first, then copy each tensor into its
+    target, reading only this rank's slice of each tensor the plan splits. Tensors outside `prefix` (a multimodal
+    checkpoint's vision tower) are never read."""
     tensors = scan(path)
-    validate(tensors, targets, path, shard)
+    validate(tensors, targets, path, tp, plan, prefix)
     by_file: dict[Path, list[str]] = {}
     for name in targets:
         by_file.setdefault(tensors[name].file, []).append(name)
@@ -144,16 +151,15 @@ def load_into(targets: dict[str, torch.Tensor], path: str | Path, progress: bool
                 with safe_open(file, framework="pt", device="cpu") as f:
                     for name in names:
                         target = targets[name]
-                        d = split_dim(name) if shard[1] > 1 else None
+                        d = plan.dim(name) if tp.size > 1 else None
                         if d is None:
                             source = f.get_tensor(name)
                         else:                            # read only this rank's rows / columns from disk
-                            n = tensors[name].shape[d] // shard[1]
                             index = [slice(None)] * len(tensors[name].shape)
-                            index[d] = slice(shard[0] * n, (shard[0] + 1) * n)
+                            index[d] = tp.share(tensors[name].shape[d])
                             source = f.get_slice(name)[tuple(index)]
                         target.copy_(source.reshape(target.shape))
-                        bar.update(tensors[name].nbytes // shard[1] if d is not None else tensors[name].nbytes)
+                        bar.update(tensors[name].nbytes // tp.size if d is not None else tensors[name].nbytes)
             except CheckpointError:
                 raise
             except Exception as e:   # safetensors / IO errors surface with the file that caused them

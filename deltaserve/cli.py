@@ -326,11 +326,11 @@ def run_torchrun_worker(args: argparse.Namespace) -> None:
     """Under torchrun, ranks other than 0 only serve their slice of the model to rank 0."""
     import functools
 
-    from .config import ModelConfig
     from .llm import context_length, make_runner
+    from .models.registry import load_config
     from .parallel import worker_main
     size = int(os.environ["WORLD_SIZE"])
-    max_len = context_length(ModelConfig.from_path(args.model, args.hf_overrides), args.max_model_len)
+    max_len = context_length(load_config(args.model, args.hf_overrides)[1], args.max_model_len)
     factory = functools.partial(make_runner, args.model, args.dtype, args.device, args.chunk_size, args.hf_overrides,
                                 args.max_num_seqs, max_len)
     worker_main(int(os.environ["RANK"]), size, None, factory)

@@ -13,12 +13,13 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .checkpoint import INDEX, checkpoint_files, scan
-from .config import MXFP4_FORMAT, ConfigError, ModelConfig
+from .config import MXFP4_FORMAT, ConfigError, read_config
+from .models.registry import spec_for
 from .ops.mxfp4 import quantize_mxfp4
 
-ROUTED_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json", "tokenization_kimi.py")
+# compressed-tensors' description of MXFP4 routed experts; `ignore` comes from the model family.
 QUANTIZATION_CONFIG: dict[str, Any] = {
     "quant_method": "compressed-tensors",
     "format": MXFP4_FORMAT,
@@ -31,8 +32,6 @@ QUANTIZATION_CONFIG: dict[str, Any] = {
         "input_activations": None,
         "output_activations": None,
     }},
-    "ignore": ["lm_head", "re:.*embed_tokens.*", "re:.*self_attn.*", "re:.*shared_experts.*",
-               "re:.*block_sparse_moe\\.gate$", "re:.*mlp\\.(gate|up|down)_proj.*"],
 }
 
 
@@ -42,11 +41,13 @@ def convert(src: str | Path, dst: str | Path, experts: str = "mxfp4", force: boo
     src, dst = Path(src), Path(dst)
     if experts != "mxfp4":
         raise ValueError(f"--experts {experts!r}: only mxfp4 is supported")
-    raw = json.loads((src / "config.json").read_text())
-    cfg = ModelConfig.from_dict(raw)
-    if cfg.experts_mxfp4:
+    raw = read_config(src)
+    spec = spec_for(raw)
+    if spec.parse_config(raw, None).experts_mxfp4:
         raise ConfigError(f"{src}: the routed experts are already MXFP4")
-    ModelConfig.from_dict({**raw, "quantization_config": QUANTIZATION_CONFIG})   # divisibility checks up front
+    quantization = {**QUANTIZATION_CONFIG, "ignore": list(spec.mxfp4_ignore)}
+    spec.parse_config(raw, {"quantization_config": quantization})          # divisibility checks up front
+    routed = re.compile(spec.routed_experts)
     if dst.exists() and any(dst.iterdir()) and not force:
         raise FileExistsError(f"{dst}: not empty; pass --force to overwrite")
     tensors = scan(src)                                    # validates every shard before writing anything
@@ -63,7 +64,7 @@ def convert(src: str | Path, dst: str | Path, experts: str = "mxfp4", force: boo
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     tensor = f.get_tensor(name)
-                    if ROUTED_EXPERT.search(name):
+                    if routed.search(name):
                         base = name[: -len("weight")]
                         out[base + "weight_packed"], out[base + "weight_scale"] = quantize_mxfp4(tensor)
                     else:
@@ -74,7 +75,7 @@ def convert(src: str | Path, dst: str | Path, experts: str = "mxfp4", force: boo
             written += sum(t.numel() * t.element_size() for t in out.values())
             del out
     (dst / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map}, indent=2))
-    (dst / "config.json").write_text(json.dumps({**raw, "quantization_config": QUANTIZATION_CONFIG}, indent=2))
+    (dst / "config.json").write_text(json.dumps({**raw, "quantization_config": quantization}, indent=2))
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)

@@ -9,12 +9,14 @@ from typing import Any
 
 import torch
 
+from torch import nn
+
 from .chat import ChatTemplate
 from .checkpoint import load_into
-from .config import ModelConfig
+from .distributed import TP
 from .engine import Engine, Request
-from .models.kimi_linear import KimiLinearForCausalLM
-from .parallel import TP, TPRunner, check_divisible, join_group, start_workers, stop_workers
+from .models.registry import load_config
+from .parallel import TPRunner, Workers, join_group
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, TokenizerError
@@ -22,7 +24,7 @@ from .tokenizer import Tokenizer, TokenizerError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, cfg: Any) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = cfg.torch_dtype if dtype == "auto" else dtype
@@ -33,13 +35,15 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu", chunk_size: int = 64,
                hf_overrides: dict[str, Any] | None = None, progress: bool | None = None,
-               tp: TP = TP()) -> KimiLinearForCausalLM:
+               tp: TP = TP()) -> nn.Module:
     """Build the model (this rank's slice of it under tensor parallelism) and fill it from the checkpoint."""
-    cfg = ModelConfig.from_path(path, hf_overrides)
-    check_divisible(cfg, tp.size)
+    spec, cfg = load_config(path, hf_overrides)
+    spec.check_tp(cfg, tp.size)
     with torch.device(device):
-        model = KimiLinearForCausalLM(cfg, resolve_dtype(dtype, cfg), chunk_size, tp)
-    load_into(model.checkpoint_map(), path, progress, (tp.rank, tp.size))
+        model = spec.model(cfg, resolve_dtype(dtype, cfg), chunk_size, tp)
+    prefix = spec.checkpoint_prefix
+    targets = {prefix + name: t for name, t in model.checkpoint_map().items()}
+    load_into(targets, path, progress, tp, spec.split_plan(cfg), prefix)
     for module in model.modules():
         if hasattr(module, "finalize"):
             module.finalize()
@@ -62,7 +66,7 @@ class RequestOutput:
 DEFAULT_MAX_MODEL_LEN = 32768
 
 
-def context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
+def context_length(cfg: Any, max_model_len: int | None) -> int:
     """The context served: as asked (up to the model's limit), else the model's limit capped at 32,768, since each
     state slot preallocates its MLA latent cache for the whole context."""
     if max_model_len is not None and max_model_len < 2:
@@ -89,9 +93,9 @@ class LLM:
             raise ValueError(f"chunk_size: {chunk_size} must be positive")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: CUDA is not available to this torch build ({torch.__version__})")
-        cfg = ModelConfig.from_path(model, hf_overrides)
-        check_divisible(cfg, tensor_parallel_size)               # refuse before any process or weight
-        self.cfg = cfg
+        spec, cfg = load_config(model, hf_overrides)
+        spec.check_tp(cfg, tensor_parallel_size)                 # refuse before any process or weight
+        self.spec, self.cfg = spec, cfg
         self.device = torch.device(device)
         self.max_model_len = context_length(cfg, max_model_len)
         if tensor_parallel_size == 1:
@@ -103,19 +107,20 @@ class LLM:
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
             factory = functools.partial(make_runner, model, dtype, device, chunk_size, hf_overrides, max_num_seqs,
                                         self.max_model_len)
-            procs, init_method = start_workers(size, factory)
+            workers = Workers(size, factory)
             try:
-                join_group(TP(0, size), init_method, device)
+                workers.join(device)
                 self.model = load_model(model, dtype, device, chunk_size, hf_overrides, progress, TP(0, size))
+                workers.check()
             except BaseException:      # e.g. a bad checkpoint: leave no rank and no group behind
-                stop_workers(procs, wait=0)
+                workers.stop(wait=0)
                 raise
-            self.runner = TPRunner(self.model, max_num_seqs, self.max_model_len, procs)
+            self.runner = TPRunner(self.model, max_num_seqs, self.max_model_len, workers)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(model, self.cfg.eos_token_ids)
         except TokenizerError:
             self.tokenizer = None            # token-id prompts still work
-        self.template = ChatTemplate(self.tokenizer.chat_template if self.tokenizer else None)
+        self.template = ChatTemplate((self.tokenizer.chat_template if self.tokenizer else None) or spec.chat_template)
         self.engine = Engine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, prefill_tokens,
                              prefix_cache_bytes)
         if warmup:

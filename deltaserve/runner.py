@@ -3,23 +3,20 @@ snapshot, restore, release). Tokens in, logits out; the engine never touches ten
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from .state import Snapshot, StatePool
 
-if TYPE_CHECKING:
-    from .models.kimi_linear import KimiLinearForCausalLM
-
 
 class ModelRunner:
-    def __init__(self, model: "KimiLinearForCausalLM", num_slots: int, max_len: int):
+    def __init__(self, model: nn.Module, num_slots: int, max_len: int):
+        """`model`: a registered family's model (models/spec.py): forward(tokens, state, last_only), state_spec()."""
         self.model, self.cfg = model, model.cfg
         self.chunk_size = model.chunk_size
         self.device = next(model.parameters()).device
-        self.pool = StatePool(model.cfg, num_slots, max_len, model.dtype, self.device,
-                              kda_heads=model.kda_heads_local)
+        self.pool = StatePool(model.state_spec(), num_slots, max_len, self.device)
         self._snapshot_ids = itertools.count()
         self.snapshots: dict[int, Snapshot] = {}      # this process's part of each live snapshot
 
@@ -30,7 +27,7 @@ class ModelRunner:
 
     def logits(self, ids: list[int], step: int) -> torch.Tensor:
         """Logits at every position of a fresh sequence, computed `step` tokens at a time in a private pool."""
-        pool = StatePool(self.cfg, 1, len(ids), self.model.dtype, self.device, kda_heads=self.model.kda_heads_local)
+        pool = StatePool(self.model.state_spec(), 1, len(ids), self.device)
         batch = torch.tensor([ids], device=self.device)
         return torch.cat([self.model(batch[:, s:s + step], pool.view([0], [s]))[0] for s in range(0, len(ids), step)])
 

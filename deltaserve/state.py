@@ -1,10 +1,10 @@
 """Per-sequence model state, kept outside the layers: a pool of slots, views of a batch of slots, snapshots.
 
-A slot holds one sequence's
-  - KDA short-conv windows: the last W-1 pre-conv q|k|v projections   [W-1, 3P]      (activation dtype)
-  - KDA recurrent matrices                                            [H, K, V]      (always float32)
-  - MLA compressed latent cache: normalised c_kv | k_pe per token      [max_len, r+rope] (activation dtype)
-per layer of that kind. The engine owns slots; the model reads and writes them through a `StateView`.
+Each layer declares its state (`state_spec()`: name -> StateSpec); the pool allocates one tensor per (layer, name)
+with a leading slot dimension, plus a position dimension for per-token caches. For Kimi Linear that is, per layer
+  - KDA: the short-conv window of the last W-1 pre-conv q|k|v inputs, and the recurrent matrices [H, K, V] (fp32)
+  - MLA: the compressed latent cache, c_kv | k_pe per position.
+The engine owns slots; the model reads and writes them through a `StateView`.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from .models.spec import StateSpec
+
+Key = tuple[int, str]           # (layer, state name)
 
 
 @dataclass
@@ -20,54 +22,45 @@ class Snapshot:
     """An exact copy of one slot's state after `length` tokens (same dtypes, so restoring is bit-identical),
     with the logits at its last position, so a request that adds nothing can sample without recomputing."""
     length: int
-    conv: dict[int, torch.Tensor]
-    recurrent: dict[int, torch.Tensor]
-    latent: dict[int, torch.Tensor]
+    state: dict[Key, torch.Tensor]
     logits: torch.Tensor
     id: int = -1                       # the runner's handle (under tensor parallelism, each rank holds a part)
 
     @property
     def nbytes(self) -> int:
-        tensors = [*self.conv.values(), *self.recurrent.values(), *self.latent.values(), self.logits]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in (*self.state.values(), self.logits))
 
 
 class StatePool:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", kda_heads: int | None = None, mla_width: int | None = None):
-        """kda_heads: heads held here (fewer than cfg's under tensor parallelism)."""
+    def __init__(self, spec: dict[int, dict[str, StateSpec]], num_slots: int, max_len: int,
+                 device: torch.device | str = "cpu"):
         self.num_slots, self.max_len = num_slots, max_len
-        H = kda_heads or cfg.kda_num_heads
-        K = cfg.kda_head_dim
-        W = cfg.conv_kernel_size
-        width = mla_width or cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        self.conv = {i: torch.zeros(num_slots, W - 1, 3 * H * K, dtype=dtype, device=device) for i in cfg.kda_layers}
-        self.recurrent = {i: torch.zeros(num_slots, H, K, K, dtype=torch.float32, device=device) for i in cfg.kda_layers}
-        self.latent = {i: torch.zeros(num_slots, max_len, width, dtype=dtype, device=device) for i in cfg.mla_layers}
+        self.per_token = {(i, n): s.per_token for i, layer in spec.items() for n, s in layer.items()}
+        self.tensors = {(i, n): torch.zeros(num_slots, *((max_len,) if s.per_token else ()), *s.shape,
+                                            dtype=s.dtype, device=device)
+                        for i, layer in spec.items() for n, s in layer.items()}
+        self.device = torch.device(device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def view(self, slots: list[int], starts: list[int]) -> "StateView":
         return StateView(self, slots, starts)
 
     def reset(self, slot: int) -> None:
-        """Forget a slot's recurrent state (the latent cache is overwritten from position 0 and masked)."""
-        for t in (*self.conv.values(), *self.recurrent.values()):
-            t[slot].zero_()
+        """Forget a slot's recurrent state (caches are overwritten from position 0 and masked beyond)."""
+        for key, t in self.tensors.items():
+            if not self.per_token[key]:
+                t[slot].zero_()
 
     def snapshot(self, slot: int, length: int, logits: torch.Tensor) -> Snapshot:
-        return Snapshot(length,
-                        {i: t[slot].clone() for i, t in self.conv.items()},
-                        {i: t[slot].clone() for i, t in self.recurrent.items()},
-                        {i: t[slot, :length].clone() for i, t in self.latent.items()},
-                        logits.clone())
+        return Snapshot(length, {key: (t[slot, :length] if self.per_token[key] else t[slot]).clone()
+                                 for key, t in self.tensors.items()}, logits.clone())
 
     def restore(self, slot: int, snap: Snapshot) -> None:
-        for i, t in self.conv.items():
-            t[slot].copy_(snap.conv[i])
-        for i, t in self.recurrent.items():
-            t[slot].copy_(snap.recurrent[i])
-        for i, t in self.latent.items():
-            t[slot, :snap.length].copy_(snap.latent[i])
-
+        for key, t in self.tensors.items():
+            (t[slot, :snap.length] if self.per_token[key] else t[slot]).copy_(snap.state[key])
 
 
 class StateView:
@@ -75,33 +68,32 @@ class StateView:
 
     def __init__(self, pool: StatePool, slots: list[int], starts: list[int]):
         self.pool, self.slots, self.starts = pool, slots, starts
-        device = next(iter({**pool.recurrent, **pool.latent}.values())).device
+        self.device = pool.device
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        self.rows = slice(slots[0], slots[0] + len(slots)) if contiguous else torch.tensor(slots, device=device)
-        self.device = device
+        self.rows = slice(slots[0], slots[0] + len(slots)) if contiguous else torch.tensor(slots, device=self.device)
         self._mask: tuple[int, torch.Tensor, int] | None = None
 
-    def kda(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv window [B, W-1, 3P], recurrent state [B, H, K, V]): views of the pool when the slots are
-        contiguous (updates in place land directly), else gathered copies; either way, hand back via set_kda."""
-        return self.pool.conv[layer][self.rows], self.pool.recurrent[layer][self.rows]
+    def get(self, layer: int, name: str) -> torch.Tensor:
+        """A recurrent state of this batch [B, ...]: a view of the pool when the slots are contiguous (updates in
+        place land directly), else a gathered copy; either way, hand a new value back through `put`."""
+        return self.pool.tensors[layer, name][self.rows]
 
-    def set_kda(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        for pool, new in ((self.pool.conv[layer], conv), (self.pool.recurrent[layer], recurrent)):
-            if not (isinstance(self.rows, slice) and new.data_ptr() == pool[self.rows].data_ptr()):
-                pool[self.rows] = new
+    def put(self, layer: int, name: str, value: torch.Tensor) -> None:
+        pool = self.pool.tensors[layer, name]
+        if not (isinstance(self.rows, slice) and value.data_ptr() == pool[self.rows].data_ptr()):
+            pool[self.rows] = value
 
-    def mla(self, layer: int, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append latents [B, T, C] at each row's position; return (cache [B, L, C], attend mask [B, 1, T, L])."""
-        B, T, _ = latents.shape
-        cache = self.pool.latent[layer]
+    def append(self, layer: int, name: str, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write per-token values [B, T, C] at each row's position; return (cache [B, L, C], mask [B, 1, T, L])."""
+        B, T, _ = values.shape
+        cache = self.pool.tensors[layer, name]
         if max(self.starts) + T > self.pool.max_len:
             raise ValueError(f"sequence of {max(self.starts) + T} tokens exceeds the state's {self.pool.max_len}")
         if B == 1:
-            cache[self.slots[0], self.starts[0]:self.starts[0] + T] = latents[0]
+            cache[self.slots[0], self.starts[0]:self.starts[0] + T] = values[0]
         else:
             pos = torch.tensor(self.starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
-            cache[torch.tensor(self.slots, device=self.device)[:, None], pos] = latents
+            cache[torch.tensor(self.slots, device=self.device)[:, None], pos] = values
         mask, L = self.attend_mask(T)
         return cache[self.rows, :L], mask
 

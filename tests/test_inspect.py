@@ -9,8 +9,7 @@ from deltaserve.audit import audit
 from deltaserve.cli import main
 from deltaserve.config import ConfigError
 from deltaserve.convert import QUANTIZATION_CONFIG
-from deltaserve.parallel import check_divisible
-from deltaserve.config import ModelConfig
+from deltaserve.models.registry import load_config
 
 KIMI_48B = Path(__file__).parent.parent / "benchmarks" / "kimi-linear-48b-a3b"
 
@@ -84,7 +83,7 @@ def test_fit_verdict_and_json_output(tiny_dir, capsys):
 
 
 def test_indivisible_tensor_parallel_configuration_is_refused(tiny_dir):
-    cfg = ModelConfig.from_path(tiny_dir)
-    check_divisible(cfg, 2)
+    spec, cfg = load_config(tiny_dir)
+    spec.check_tp(cfg, 2)
     with pytest.raises(ConfigError, match=r"linear_attn_config.num_heads \(KDA heads\) = 2 is not divisible by 4"):
-        check_divisible(cfg, 4)
+        spec.check_tp(cfg, 4)

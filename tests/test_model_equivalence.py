@@ -19,7 +19,7 @@ def prompt(n, seed=0):
 def test_prefill_then_decode_equals_full_forward(llm):
     ids = prompt(130)
     full = llm.logits(ids)
-    pool = StatePool(llm.cfg, 1, len(ids), torch.float32)
+    pool = StatePool(llm.model.state_spec(), 1, len(ids))
     stepwise = [llm.model(torch.tensor([ids[:100]]), pool.view([0], [0]))[0]]
     for t in range(100, len(ids)):
         stepwise.append(llm.model(torch.tensor([[ids[t]]]), pool.view([0], [t]))[0])

@@ -7,7 +7,7 @@ from deltaserve.state import Snapshot
 
 
 def snap(length, nbytes=400):
-    return Snapshot(length, {}, {}, {}, torch.zeros(nbytes // 4))
+    return Snapshot(length, {}, torch.zeros(nbytes // 4))
 
 
 def test_snapshot_restore_is_bit_identical(tiny_dir):
@@ -16,15 +16,13 @@ def test_snapshot_restore_is_bit_identical(tiny_dir):
     ids = torch.arange(3, 80)[None]
     llm.model(ids, pool.view([0], [0]))
     saved = pool.snapshot(0, 77, torch.zeros(4))
-    before = {k: (pool.conv[k][0].clone(), pool.recurrent[k][0].clone()) for k in pool.conv}
-    latent_before = {k: pool.latent[k][0, :77].clone() for k in pool.latent}
-    assert all(t.dtype == torch.float32 for t in saved.recurrent.values())    # recurrent state stays fp32
+    before = {k: t[0, :77].clone() if pool.per_token[k] else t[0].clone() for k, t in pool.tensors.items()}
+    assert {name for _, name in before} == {"conv", "recurrent", "latent"}
+    assert all(t.dtype == torch.float32 for (_, name), t in saved.state.items() if name == "recurrent")
     llm.model(torch.arange(100, 140)[None], pool.view([0], [77]))             # move the state on
     pool.restore(0, saved)
-    for k, (conv, rec) in before.items():
-        assert torch.equal(pool.conv[k][0], conv) and torch.equal(pool.recurrent[k][0], rec)
-    for k, lat in latent_before.items():
-        assert torch.equal(pool.latent[k][0, :77], lat)
+    for k, t in before.items():
+        assert torch.equal(pool.tensors[k][0, :77] if pool.per_token[k] else pool.tensors[k][0], t)
 
 
 def test_match_returns_longest_whole_key_only():

@@ -96,15 +96,15 @@ def test_a_dead_rank_stops_the_server(tiny_dir):
 
 def test_one_all_reduce_per_mixer_and_per_ffn(tp, monkeypatch):
     """A decode step costs 2 all-reduces per layer, 1 for the vocab-parallel embedding, 1 logits all-gather."""
-    import deltaserve.parallel as parallel
+    import deltaserve.distributed as distributed
     calls = {"all_reduce": 0, "all_gather": 0}
     for name in calls:
-        real = getattr(parallel.dist, name)
+        real = getattr(distributed.dist, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
             calls[_name] += 1
             return _real(*args, **kwargs)
-        monkeypatch.setattr(parallel.dist, name, counted)
+        monkeypatch.setattr(distributed.dist, name, counted)
     tp.runner.reset(0)
     tp.runner.forward([[5]], [0], [0])
     assert calls == {"all_reduce": 2 * tp.cfg.num_hidden_layers + 1, "all_gather": 1}

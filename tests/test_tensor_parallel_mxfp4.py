@@ -20,11 +20,12 @@ def test_mxfp4_experts_shard_block_aligned(tmp_path):
     with LLM(dst, dtype="float32", tensor_parallel_size=2) as sharded:
         got = sharded.logits(ids_)
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
-    from deltaserve.config import ModelConfig
-    from deltaserve.parallel import check_divisible
-    four_heads = ModelConfig.from_path(dst).with_(kda_num_heads=4, num_attention_heads=4)
-    with pytest.raises(ConfigError, match="= 16 must be a multiple of 32 so MXFP4 blocks are not split"):
-        check_divisible(four_heads, 4)
+    from deltaserve.models.registry import load_config
+    spec, cfg = load_config(dst)
+    four_heads = cfg.with_(kda_num_heads=4, num_attention_heads=4)
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size / 32 \(MXFP4 blocks, never split\) = 2 is not "
+                                          "divisible by 4"):
+        spec.check_tp(four_heads, 4)
 
 
 def test_a_failed_load_leaves_no_rank_behind(tiny_dir, tmp_path):

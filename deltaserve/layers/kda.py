@@ -1,12 +1,20 @@
-"""Kimi Delta Attention: projections, causal short conv with a carried window, per-channel forget gate,
-delta-rule recurrence (chunked for prompts, recurrent for single tokens), gated head-wise RMSNorm."""
+"""Kimi Delta Attention: gated delta rule with a fine-grained (per key channel) forget gate, short convolutions
+on q/k/v, and a gated RMSNorm on the output.
+
+Family variants, each a config field: the output gate is low-rank (g_a_proj, g_b_proj: Kimi Linear) or full-rank
+(g_proj: K3) and goes through sigmoid (published) or SiLU (the seed's K3); the forget gate is
+-exp(A) softplus(f + dt_bias) or, with a lower bound L, L sigmoid(exp(A) (f + dt_bias)) (K3); A_log is per head
+(stored [1, 1, H, 1], or padded to head_dim in K3) or, as the seed reads K3's, per key channel.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..distributed import TP
+from ..models.kimi_config import KimiConfig
+from ..models.spec import StateSpec
 from ..ops.delta_rule import delta_rule_chunked, delta_rule_recurrent, l2norm
 from ..state import StateView
 from .mlp import param
@@ -14,55 +22,77 @@ from .norm import gated_rms_norm
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, num_heads: int | None = None):
+    def __init__(self, cfg: KimiConfig, layer: int, dtype: torch.dtype, tp: TP = TP(), chunk_size: int = 64):
         super().__init__()
-        self.layer, self.eps = layer, cfg.rms_norm_eps
-        self.H = num_heads or cfg.kda_num_heads
-        self.K = cfg.kda_head_dim
+        self.layer, self.eps, self.chunk_size, self.dtype = layer, cfg.rms_norm_eps, chunk_size, dtype
+        self.H = cfg.kda_num_heads // tp.size               # heads held by this rank
+        self.K = K = cfg.kda_head_dim
         self.W = cfg.conv_kernel_size
-        D, P, K = cfg.hidden_size, self.H * cfg.kda_head_dim, cfg.kda_head_dim
+        self.full_rank_gate, self.bound = cfg.kda_full_rank_gate, cfg.kda_gate_lower_bound
+        self.gate_activation = cfg.kda_output_gate_activation
+        D, P = cfg.hidden_size, self.H * K
         self.P = P
-        # One matmul for everything read from x: q | k | v | f_a | g_a | b.
-        self.split = [3 * P, K, K, self.H]
+        # One matmul for everything read from x: q | k | v | f_a | g (full-rank, P) or g_a (K) | b.
+        self.split = [3 * P, K, P if self.full_rank_gate else K, self.H]
         self.in_proj = param(sum(self.split), D, dtype=dtype)
         self.conv = param(3 * P, 1, self.W, dtype=dtype)       # depthwise q | k | v taps
-        self.gate_up = param(2, P, K, dtype=dtype)             # f_b and g_b, applied as one batched matmul
+        self.f_b = param(P, K, dtype=dtype)
+        if not self.full_rank_gate:
+            self.g_b = param(P, K, dtype=dtype)
         self.dt_bias = param(P, dtype=torch.float32)
-        self.A_log = param(1, 1, self.H, 1, dtype=torch.float32)
+        # As stored: one value per head ([1, 1, H, 1], split across ranks), or head_dim values replicated (K3).
+        self.A_log = param(K, dtype=torch.float32) if cfg.kda_a_log_padded else param(1, 1, self.H, 1,
+                                                                                         dtype=torch.float32)
+        self.per_channel = cfg.kda_a_log_layout == "per_channel"
+        self.heads = tp.share(cfg.kda_num_heads) if cfg.kda_a_log_padded else slice(None)   # this rank's A_log
         self.o_norm = param(K, dtype=dtype)
         self.o_proj = param(D, P, dtype=dtype)
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
-        P, K, H = self.P, self.K, self.H
-        w, c = self.in_proj, self.conv
-        return {
-            "q_proj.weight": w[:P], "k_proj.weight": w[P:2 * P], "v_proj.weight": w[2 * P:3 * P],
-            "f_a_proj.weight": w[3 * P:3 * P + K], "g_a_proj.weight": w[3 * P + K:3 * P + 2 * K],
-            "b_proj.weight": w[3 * P + 2 * K:3 * P + 2 * K + H],
-            "q_conv1d.weight": c[:P], "k_conv1d.weight": c[P:2 * P], "v_conv1d.weight": c[2 * P:],
-            "f_b_proj.weight": self.gate_up[0], "g_b_proj.weight": self.gate_up[1],
-            "dt_bias": self.dt_bias, "A_log": self.A_log, "o_norm.weight": self.o_norm, "o_proj.weight": self.o_proj,
-        }
+        P, K = self.P, self.K
+        q, k, v, f_a, g, b = self.in_proj.split([P, P, P, K, self.split[2], self.H])
+        c = self.conv
+        views = {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v, "f_a_proj.weight": f_a,
+                 "b_proj.weight": b, "q_conv1d.weight": c[:P], "k_conv1d.weight": c[P:2 * P],
+                 "v_conv1d.weight": c[2 * P:], "f_b_proj.weight": self.f_b, "dt_bias": self.dt_bias,
+                 "A_log": self.A_log, "o_norm.weight": self.o_norm, "o_proj.weight": self.o_proj}
+        if self.full_rank_gate:
+            views["g_proj.weight"] = g
+        else:
+            views.update({"g_a_proj.weight": g, "g_b_proj.weight": self.g_b})
+        return views
 
-    def forward(self, x: torch.Tensor, state: StateView, chunk_size: int) -> torch.Tensor:
+    def state_spec(self) -> dict[str, StateSpec]:
+        return {"conv": StateSpec((self.W - 1, 3 * self.P), self.dtype),       # pre-conv q | k | v inputs
+                "recurrent": StateSpec((self.H, self.K, self.K), torch.float32)}
+
+    def finalize(self) -> None:
+        """After loading: exp(A_log) as it scales the gate input, [H, 1] per head or [K] per key channel."""
+        a = self.A_log.float().flatten()
+        self.decay_rate = a.exp() if self.per_channel else a[self.heads].exp().view(self.H, 1)
+
+    def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.H, self.K
-        qkv, f_a, g_a, b = F.linear(x, self.in_proj).split(self.split, dim=-1)
-        conv_window, recurrent = state.kda(self.layer)
+        qkv, f_a, g, b = F.linear(x, self.in_proj).split([3 * self.P, K, self.split[2], H], dim=-1)
         # Causal depthwise conv over [carried W-1 inputs | new inputs], accumulated in float32.
-        window = torch.cat((conv_window, qkv), dim=1)
+        window = torch.cat((state.get(self.layer, "conv"), qkv), dim=1)
         taps = self.conv.squeeze(1).float()
         conv = sum(window[:, j:j + T].float() * taps[:, j] for j in range(self.W))
         q, k, v = F.silu(conv).to(x.dtype).view(B, T, 3, H, K).unbind(2)
         q, k = l2norm(q.float()), l2norm(k.float())
-        f, z = torch.bmm(torch.stack((f_a, g_a)).view(2, B * T, K), self.gate_up.transpose(1, 2)).view(2, B, T, H, K)
-        # Forget gate in log space: g = -exp(A_log) * softplus(f + dt_bias) <= 0, per head and key channel.
-        g = -self.A_log.float().view(H, 1).exp() * F.softplus(f.float() + self.dt_bias.view(H, K), threshold=20.0)
+        f = F.linear(f_a, self.f_b).float().view(B, T, H, K) + self.dt_bias.view(H, K)
+        z = (g if self.full_rank_gate else F.linear(g, self.g_b)).view(B, T, H, K)
+        a = self.decay_rate
+        # Forget gate in log space (<= 0), per head and key channel.
+        log_decay = self.bound * torch.sigmoid(a * f) if self.bound else -a * F.softplus(f, threshold=20.0)
         beta = torch.sigmoid(b.float())
+        recurrent = state.get(self.layer, "recurrent")
         if T == 1:      # in place on the slot's state
-            o, recurrent = delta_rule_recurrent(q, k, v.float(), g, beta, recurrent, K ** -0.5)
+            o, recurrent = delta_rule_recurrent(q, k, v.float(), log_decay, beta, recurrent, K ** -0.5)
         else:
-            o, recurrent = delta_rule_chunked(q, k, v.float(), g, beta, recurrent, K ** -0.5, chunk_size)
-        state.set_kda(self.layer, window[:, -(self.W - 1):], recurrent)
-        o = gated_rms_norm(o, z, self.o_norm, self.eps).to(x.dtype)
+            o, recurrent = delta_rule_chunked(q, k, v.float(), log_decay, beta, recurrent, K ** -0.5, self.chunk_size)
+        state.put(self.layer, "conv", window[:, -(self.W - 1):])
+        state.put(self.layer, "recurrent", recurrent)
+        o = gated_rms_norm(o, z, self.o_norm, self.eps, self.gate_activation).to(x.dtype)
         return F.linear(o.reshape(B, T, H * K), self.o_proj)

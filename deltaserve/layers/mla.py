@@ -10,24 +10,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..distributed import TP
+from ..models.kimi_config import KimiConfig
+from ..models.spec import StateSpec
 from ..state import StateView
 from .mlp import param
 from .norm import RMSNorm
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, num_heads: int | None = None):
+    def __init__(self, cfg: KimiConfig, layer: int, dtype: torch.dtype, tp: TP = TP()):
         super().__init__()
-        self.layer = layer
-        self.H = num_heads or cfg.num_attention_heads
+        self.layer, self.dtype = layer, dtype
+        self.H = cfg.num_attention_heads // tp.size        # heads held by this rank
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank, self.q_rank = cfg.kv_lora_rank, cfg.q_lora_rank
         self.scale = cfg.qk_head_dim ** -0.5
         D, q_out = cfg.hidden_size, self.H * cfg.qk_head_dim
-        # One matmul for what is read from x: q (or its low-rank down projection) | c_kv | k_pe.
+        # One matmul for what is read from x: q (or its low-rank down projection) | c_kv | k_pe | output gate.
         self.q_width = self.q_rank or q_out
-        self.in_proj = param(self.q_width + self.rank + self.rope, D, dtype=dtype)
+        self.gate_width = self.H * self.v_dim if cfg.mla_output_gate else 0
+        self.in_proj = param(self.q_width + self.rank + self.rope + self.gate_width, D, dtype=dtype)
         if self.q_rank:
             self.q_a_layernorm = RMSNorm(self.q_rank, 1e-6, dtype)
             self.q_b_proj = param(q_out, self.q_rank, dtype=dtype)
@@ -36,15 +39,20 @@ class MLAttention(nn.Module):
         self.o_proj = param(D, self.H * self.v_dim, dtype=dtype)
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
-        q = self.q_width
-        views = {"kv_a_proj_with_mqa.weight": self.in_proj[q:], "kv_a_layernorm.weight": self.kv_a_layernorm.weight,
+        q, kv, gate = self.in_proj.split([self.q_width, self.rank + self.rope, self.gate_width])
+        views = {"kv_a_proj_with_mqa.weight": kv, "kv_a_layernorm.weight": self.kv_a_layernorm.weight,
                  "kv_b_proj.weight": self.kv_b_proj, "o_proj.weight": self.o_proj}
+        if self.gate_width:
+            views["g_proj.weight"] = gate
         if self.q_rank:
-            views.update({"q_a_proj.weight": self.in_proj[:q], "q_a_layernorm.weight": self.q_a_layernorm.weight,
+            views.update({"q_a_proj.weight": q, "q_a_layernorm.weight": self.q_a_layernorm.weight,
                           "q_b_proj.weight": self.q_b_proj})
         else:
-            views["q_proj.weight"] = self.in_proj[:q]
+            views["q_proj.weight"] = q
         return views
+
+    def state_spec(self) -> dict[str, StateSpec]:
+        return {"latent": StateSpec((self.rank + self.rope,), self.dtype, per_token=True)}   # c_kv | k_pe
 
     def finalize(self) -> None:
         """After loading: the absorption matrices, split per head and laid out contiguously for matmul."""
@@ -55,15 +63,17 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.H
-        q, c, k_pe = F.linear(x, self.in_proj).split([self.q_width, self.rank, self.rope], dim=-1)
+        q, c, k_pe, gate = F.linear(x, self.in_proj).split([self.q_width, self.rank, self.rope, self.gate_width], -1)
         if self.q_rank:
             q = F.linear(self.q_a_layernorm(q), self.q_b_proj)
         q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)            # [B, H, T, 192]
         latent = torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
-        cache, mask = state.mla(self.layer, latent)                            # [B, L, r + rope], [B, 1, T, L]
+        cache, mask = state.append(self.layer, "latent", latent)               # [B, L, r + rope], [B, 1, T, L]
         query = torch.cat((q[..., :self.nope] @ self.w_uk, q[..., self.nope:]), dim=-1)   # [B, H, T, r + rope]
         ctx = latent_attention(query, cache, mask, self.scale, self.rank)       # [B, H, T, r]
         out = (ctx @ self.w_uv_t).transpose(1, 2).reshape(B, T, H * self.v_dim)
+        if self.gate_width:
+            out = out * torch.sigmoid(gate)
         return F.linear(out, self.o_proj)
 
 

@@ -1,17 +1,32 @@
-"""Kimi / DeepSeek-V3 style MoE: sigmoid router with a selection-only correction bias, routed SwiGLU experts
-stored stacked ([E, ...]) and dispatched by expert, plus always-on shared experts."""
+"""Kimi / DeepSeek-V3 style MoE: sigmoid router with a selection-only correction bias, routed gated-MLP experts
+stored stacked ([E, ...]) and dispatched by expert, plus always-on shared experts.
+
+Latent MoE (Kimi K3): the routed experts run in a narrower width R; a down projection D -> R feeds them and their
+weighted sum goes through an RMSNorm and an up projection R -> D. Under tensor parallelism both projections are split
+along their inputs and every rank holds a 1/N slice of every expert's intermediate dimension, so the latent input
+and the routed sum are each completed by one all-reduce; the caller all-reduces the block's output.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..distributed import TP
+from ..models.kimi_config import KimiConfig
 from ..ops.mxfp4 import BLOCK, dequantize_mxfp4
-from .mlp import SwiGLU, param
+from ..ops.mxfp8 import quantize_dequantize_mxfp8
+from .mlp import GatedMLP, gated_activation, param
+from .norm import RMSNorm
 
 
-def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig
+def top_k_lowest_index_on_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row; among equal scores the lower index wins (as the reference's
+    iterative argmax), which torch.topk does not promise. A stable descending sort does."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: KimiConfig
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert ids and weights per token ([N, k] each), computed in float32."""
     scores = F.linear(x.float(), gate_weight.float()).sigmoid()
@@ -22,7 +37,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: M
         best = per_group.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices
         keep = torch.zeros_like(per_group[..., 0], dtype=torch.bool).scatter_(1, best, True)
         choice = per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
-    ids = choice.topk(cfg.num_experts_per_token, dim=-1, sorted=False).indices
+    ids = top_k_lowest_index_on_ties(choice, cfg.num_experts_per_token)
     weights = (choice if cfg.router_bias_in_weights else scores).gather(1, ids)
     if cfg.moe_renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -30,25 +45,29 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: M
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1):
-        """Under tensor parallelism every rank holds a 1/tp_size slice of every expert's intermediate dimension;
-        the caller sums the partial outputs across ranks."""
+    def __init__(self, cfg: KimiConfig, dtype: torch.dtype, tp: TP = TP()):
         super().__init__()
-        self.cfg = cfg
-        E, I, D = cfg.num_experts, cfg.moe_intermediate_size // tp_size, cfg.hidden_size
-        self.I = I
-        self.dtype = dtype
+        self.cfg, self.dtype, self.tp = cfg, dtype, tp
+        E, D, R = cfg.num_experts, cfg.hidden_size, cfg.expert_width
+        self.I = I = cfg.moe_intermediate_size // tp.size
+        self.act = gated_activation(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
         self.gate_weight = param(E, D, dtype=torch.float32)
         self.e_score_correction_bias = param(E, dtype=torch.float32)
         if cfg.experts_mxfp4:      # packed FP4 codes and E8M0 scales, dequantized per selected expert
-            self.w13_packed = param(E, 2 * I, D // 2, dtype=torch.uint8)
-            self.w13_scale = param(E, 2 * I, D // BLOCK, dtype=torch.uint8)
-            self.w2_packed = param(E, D, I // 2, dtype=torch.uint8)
-            self.w2_scale = param(E, D, I // BLOCK, dtype=torch.uint8)
+            self.w13_packed = param(E, 2 * I, R // 2, dtype=torch.uint8)
+            self.w13_scale = param(E, 2 * I, R // BLOCK, dtype=torch.uint8)
+            self.w2_packed = param(E, R, I // 2, dtype=torch.uint8)
+            self.w2_scale = param(E, R, I // BLOCK, dtype=torch.uint8)
         else:
-            self.w13 = param(E, 2 * I, D, dtype=dtype)     # w1 (gate) rows, then w3 (up) rows
-            self.w2 = param(E, D, I, dtype=dtype)
-        self.shared_experts = SwiGLU(D, I * cfg.num_shared_experts, dtype) if cfg.num_shared_experts else None
+            self.w13 = param(E, 2 * I, R, dtype=dtype)     # w1 (gate) rows, then w3 (up) rows
+            self.w2 = param(E, R, I, dtype=dtype)
+        self.latent = cfg.routed_expert_hidden_size is not None
+        if self.latent:            # split along their inputs: [R, D/N] and [D, R/N]
+            self.routed_expert_down_proj = param(R, D // tp.size, dtype=dtype)
+            self.routed_expert_up_proj = param(D, R // tp.size, dtype=dtype)
+            self.routed_expert_norm = RMSNorm(R, cfg.rms_norm_eps, dtype) if cfg.latent_moe_norm else None
+        shared = cfg.moe_intermediate_size * cfg.num_shared_experts // tp.size
+        self.shared_experts = GatedMLP(D, shared, dtype, self.act) if shared else None
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         I = self.I
@@ -61,38 +80,55 @@ class MoE(nn.Module):
                 views[f"experts.{e}.w1.{suffix}"] = w13[e, :I]
                 views[f"experts.{e}.w3.{suffix}"] = w13[e, I:]
                 views[f"experts.{e}.w2.{suffix}"] = w2[e]
+        if self.latent:
+            views.update({"routed_expert_down_proj.weight": self.routed_expert_down_proj,
+                          "routed_expert_up_proj.weight": self.routed_expert_up_proj})
+            if self.routed_expert_norm is not None:
+                views["routed_expert_norm.weight"] = self.routed_expert_norm.weight
         if self.shared_experts is not None:
             views.update({f"shared_experts.{k}": v for k, v in self.shared_experts.checkpoint_views().items()})
         return views
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (w13 [2I, D], w2 [D, I]) in the activation dtype."""
+        """Expert e's (w13 [2I, R], w2 [R, I]) in the activation dtype."""
         if not self.cfg.experts_mxfp4:
             return self.w13[e], self.w2[e]
         return (dequantize_mxfp4(self.w13_packed[e], self.w13_scale[e], self.dtype),
                 dequantize_mxfp4(self.w2_packed[e], self.w2_scale[e], self.dtype))
 
+    def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[n, k] * expert_{ids[n, k]}(h[n]) for every token n; h [N, R] -> [N, R]."""
+        qdq = quantize_dequantize_mxfp8 if self.cfg.expert_input_mxfp8 else (lambda t: t)
+        h = qdq(h)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)              # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts)
+        starts = (counts.cumsum(0) - counts).tolist()
+        flat_weights = weights.flatten()
+        out = torch.zeros_like(h)
+        for e in counts.nonzero().flatten().tolist():  # experts in ascending order, as the reference sums them
+            sel = order[starts[e]:starts[e] + int(counts[e])]
+            tokens = sel // k
+            w13, w2 = self.expert(e)
+            gate, up = F.linear(h[tokens], w13).chunk(2, dim=-1)
+            y = F.linear(qdq(self.act(gate, up)), w2) * flat_weights[sel, None]
+            out.index_add_(0, tokens, y.to(h.dtype))
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         ids, weights = route(x, self.gate_weight, self.e_score_correction_bias, self.cfg)
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)              # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
-        flat_weights = weights.flatten()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):                 # experts in ascending order, as the reference sums them
-            if n == 0:
-                continue
-            sel = order[start:start + n]
-            start += n
-            tokens = sel // k
-            w13, w2 = self.expert(e)
-            gate, up = F.linear(x[tokens], w13).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2) * flat_weights[sel, None]
-            out.index_add_(0, tokens, y.to(x.dtype))
+        if not self.latent:
+            out = self.experts(x, ids, weights)
+        else:
+            D, R = self.cfg.hidden_size, self.cfg.expert_width
+            h = self.tp.all_reduce(F.linear(x[:, self.tp.share(D)], self.routed_expert_down_proj))
+            routed = self.tp.all_reduce(self.experts(h, ids, weights))
+            if self.routed_expert_norm is not None:
+                routed = self.routed_expert_norm(routed)
+            out = F.linear(routed[:, self.tp.share(R)], self.routed_expert_up_proj)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)

@@ -1,8 +1,11 @@
-"""RMS norms as Kimi Linear computes them: statistics in float32, weight applied after the cast back."""
+"""RMS norms as the Kimi family computes them: statistics in float32, weight applied after the cast back."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+GATE_ACTIVATIONS = {"sigmoid": torch.sigmoid, "silu": F.silu}
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,6 +23,7 @@ class RMSNorm(nn.Module):
         return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """KDA output norm: RMSNorm(x) * weight * sigmoid(gate), all in float32 (fla FusedRMSNormGated)."""
-    return rms_normalize(x, eps) * weight.float() * torch.sigmoid(gate.float())
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   activation: str = "sigmoid") -> torch.Tensor:
+    """KDA output norm: RMSNorm(x) * weight * act(gate), all in float32 (fla FusedRMSNormGated)."""
+    return rms_normalize(x, eps) * weight.float() * GATE_ACTIVATIONS[activation](gate.float())
