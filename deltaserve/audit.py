@@ -48,9 +48,9 @@ def audit(path: str | Path, context: int = 4096, tp: int = 1, metadata_only: boo
     root = Path(path)
     spec, cfg = load_config(root)
     expected = expected_tensors(spec, cfg)
+    index = json.loads((root / INDEX).read_text()) if (root / INDEX).exists() else None
     if metadata_only:     # config.json (and the index, if present): shapes and dtypes of the expected layout
-        weight_map = (json.loads((root / INDEX).read_text())["weight_map"] if (root / INDEX).exists()
-                      else dict.fromkeys(expected, "(not present)"))
+        weight_map = index["weight_map"] if index else dict.fromkeys(expected, "(not present)")
         tensors = {n: TensorInfo(root / f, *(expected.get(n, ((), "?"))[::-1])) for n, f in weight_map.items()}
     else:
         tensors = scan(root)
@@ -80,6 +80,7 @@ def audit(path: str | Path, context: int = 4096, tp: int = 1, metadata_only: boo
         "bytes_by_dtype": dict(sorted(by_dtype.items())),
         "bytes_by_role": dict(sorted(by_role.items())),
         "total_bytes": sum(nbytes.values()),
+        "index_total_size": (index or {}).get("metadata", {}).get("total_size"),
         "parameters": sum(_numel(t.shape) * (2 if t.dtype == "U8" and n.endswith("weight_packed") else 1)
                           for n, t in present.items() if not n.endswith("weight_scale")),
         "missing": sorted(set(expected) - set(tensors)),
@@ -119,7 +120,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"model: {r['model']} ({r['architecture']})",
              f"shards: {len(r['shards'])}, tensors: {r['tensor_count']} ({r['skipped_tensors']} outside the text "
              f"model, never read), parameters: {r['parameters']:,}",
-             f"weights: {gb(r['total_bytes'])}"]
+             f"weights: {gb(r['total_bytes'])}" + (f" of the index's {gb(r['index_total_size'])}"
+                                                    if r["index_total_size"] else "")]
     lines += [f"  {k:<20} {gb(v)}" for k, v in r["bytes_by_dtype"].items()]
     lines += ["by role:"] + [f"  {k:<20} {gb(v)}" for k, v in r["bytes_by_role"].items()]
     for key in ("missing", "unexpected", "shape_mismatches"):

@@ -21,6 +21,14 @@ from .mlp import param
 from .norm import gated_rms_norm
 
 
+def forget_gate(f: torch.Tensor, a: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Log-decay (<= 0) from the gate input f = f_b(f_a(x)) + dt_bias and a = exp(A_log): -a softplus(f), or with a
+    lower bound L, L sigmoid(a f), which keeps every decay above e^L."""
+    if lower_bound:
+        return lower_bound * torch.sigmoid(a * f)
+    return -a * F.softplus(f, threshold=20.0)
+
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: KimiConfig, layer: int, dtype: torch.dtype, tp: TP = TP(), chunk_size: int = 64):
         super().__init__()
@@ -83,9 +91,7 @@ class KimiDeltaAttention(nn.Module):
         q, k = l2norm(q.float()), l2norm(k.float())
         f = F.linear(f_a, self.f_b).float().view(B, T, H, K) + self.dt_bias.view(H, K)
         z = (g if self.full_rank_gate else F.linear(g, self.g_b)).view(B, T, H, K)
-        a = self.decay_rate
-        # Forget gate in log space (<= 0), per head and key channel.
-        log_decay = self.bound * torch.sigmoid(a * f) if self.bound else -a * F.softplus(f, threshold=20.0)
+        log_decay = forget_gate(f, self.decay_rate, self.bound)              # per head and key channel
         beta = torch.sigmoid(b.float())
         recurrent = state.get(self.layer, "recurrent")
         if T == 1:      # in place on the slot's state

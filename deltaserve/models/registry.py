@@ -25,7 +25,7 @@ def spec_for(raw: dict[str, Any]) -> ModelSpec:
         if raw.get("model_type") == spec.model_type:
             return spec
     known = ", ".join(a for spec in MODELS for a in spec.architectures)
-    raise ConfigError(f"model_type: {raw.get('model_type')!r} (architectures {archs}) is not supported; "
+    raise ConfigError(f"model_type: {raw.get('model_type')!r} is not supported (architectures {archs}); "
                       f"deltaserve serves {known}")
 
 
