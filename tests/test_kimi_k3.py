@@ -264,3 +264,15 @@ def test_k3_chat_template_renders_the_xtml_turns():
             in text)
     assert 'name="x&quot;y"' in text
     assert text.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+
+
+@pytest.mark.parametrize("where", ["top", "text", "both"])
+def test_quantization_config_is_found_at_either_level(where):
+    raw = json.loads((FIXTURE / "config.json").read_text())
+    quant = raw.pop("quantization_config")
+    text = {k: v for k, v in raw["text_config"].items() if k != "quantization_config"}
+    raw = {**raw, "text_config": {**text, **({"quantization_config": quant} if where != "top" else {})},
+           **({"quantization_config": quant} if where != "text" else {})}
+    assert parse_config(raw).experts_mxfp4
+    assert not parse_config({**raw, "quantization_config": None,
+                             "text_config": text}).experts_mxfp4
