@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from deltaserve import LLM
-from deltaserve.ops.delta_rule import delta_rule_chunked, delta_rule_recurrent, l2norm
+from deltaserve.ops.delta_rule import chunk_kda, fused_recurrent_kda, l2norm
 from deltaserve.state import StatePool
 
 
@@ -35,9 +35,9 @@ def test_chunked_delta_rule_equals_recurrent(T):
     decay = -torch.rand(B, T, H, K, generator=g) * 4
     beta = torch.rand(B, T, H, generator=g)
     s0 = torch.randn(B, H, K, V, generator=g)
-    o_rec, s_rec = delta_rule_recurrent(q, k, v, decay, beta, s0.clone(), K ** -0.5)
+    o_rec, s_rec = fused_recurrent_kda(q, k, v, decay, beta, K ** -0.5, s0.clone())
     for chunk in (16, 64):
-        o, s = delta_rule_chunked(q, k, v, decay, beta, s0, K ** -0.5, chunk)
+        o, s = chunk_kda(q, k, v, decay, beta, K ** -0.5, s0, chunk)
         assert (o - o_rec).abs().max() <= 1e-5 and (s - s_rec).abs().max() <= 1e-5
 
 
@@ -47,8 +47,8 @@ def test_chunked_delta_rule_is_stable_under_strong_decay():
     q, k = l2norm(torch.randn(1, 64, 2, 8, generator=g)), l2norm(torch.randn(1, 64, 2, 8, generator=g))
     v, beta, s0 = torch.randn(1, 64, 2, 8, generator=g), torch.rand(1, 64, 2, generator=g), torch.zeros(1, 2, 8, 8)
     decay = torch.full((1, 64, 2, 8), -50.0)
-    o, s = delta_rule_chunked(q, k, v, decay, beta, s0, 8 ** -0.5, 64)
-    o_rec, _ = delta_rule_recurrent(q, k, v, decay, beta, s0.clone(), 8 ** -0.5)
+    o, s = chunk_kda(q, k, v, decay, beta, 8 ** -0.5, s0, 64)
+    o_rec, _ = fused_recurrent_kda(q, k, v, decay, beta, 8 ** -0.5, s0.clone())
     assert torch.isfinite(o).all() and (o - o_rec).abs().max() <= 1e-5
 
 

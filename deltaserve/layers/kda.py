@@ -15,8 +15,10 @@ from torch import nn
 from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..models.spec import StateSpec
-from ..ops.delta_rule import delta_rule_chunked, delta_rule_recurrent, l2norm
+from ..ops.delta_rule import l2norm
+from ..ops.kda import kda_kernels
 from ..state import StateView
+from .linear import linear
 from .mlp import param
 from .norm import gated_rms_norm
 
@@ -75,30 +77,30 @@ class KimiDeltaAttention(nn.Module):
                 "recurrent": StateSpec((self.H, self.K, self.K), torch.float32)}
 
     def finalize(self) -> None:
-        """After loading: exp(A_log) as it scales the gate input, [H, 1] per head or [K] per key channel."""
+        """After loading: exp(A_log) as it scales the gate input ([H, 1] per head or [K] per key channel), the conv
+        taps as float32 depthwise filters, and the KDA kernels for this device."""
         a = self.A_log.float().flatten()
         self.decay_rate = a.exp() if self.per_channel else a[self.heads].exp().view(self.H, 1)
+        self.taps = self.conv.float()
+        self.chunk_kernel, self.recurrent_kernel = kda_kernels(self.conv.device.type, self.chunk_size)
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.H, self.K
-        qkv, f_a, g, b = F.linear(x, self.in_proj).split([3 * self.P, K, self.split[2], H], dim=-1)
+        qkv, f_a, g, b = linear(x, self.in_proj).split([3 * self.P, K, self.split[2], H], dim=-1)
         # Causal depthwise conv over [carried W-1 inputs | new inputs], accumulated in float32.
         window = torch.cat((state.get(self.layer, "conv"), qkv), dim=1)
-        taps = self.conv.squeeze(1).float()
-        conv = sum(window[:, j:j + T].float() * taps[:, j] for j in range(self.W))
-        q, k, v = F.silu(conv).to(x.dtype).view(B, T, 3, H, K).unbind(2)
-        q, k = l2norm(q.float()), l2norm(k.float())
-        f = F.linear(f_a, self.f_b).float().view(B, T, H, K) + self.dt_bias.view(H, K)
-        z = (g if self.full_rank_gate else F.linear(g, self.g_b)).view(B, T, H, K)
+        conv = F.conv1d(window.transpose(1, 2).float(), self.taps, groups=3 * self.P).transpose(1, 2)
+        qkv = F.silu(conv).to(x.dtype).view(B, T, 3, H, K)
+        qk, v = l2norm(qkv[:, :, :2].float()), qkv[:, :, 2].float()
+        f = linear(f_a, self.f_b).float().view(B, T, H, K) + self.dt_bias.view(H, K)
+        z = (g if self.full_rank_gate else linear(g, self.g_b)).view(B, T, H, K)
         log_decay = forget_gate(f, self.decay_rate, self.bound)              # per head and key channel
         beta = torch.sigmoid(b.float())
-        recurrent = state.get(self.layer, "recurrent")
-        if T == 1:      # in place on the slot's state
-            o, recurrent = delta_rule_recurrent(q, k, v.float(), log_decay, beta, recurrent, K ** -0.5)
-        else:
-            o, recurrent = delta_rule_chunked(q, k, v.float(), log_decay, beta, recurrent, K ** -0.5, self.chunk_size)
+        kernel = self.recurrent_kernel if T == 1 else self.chunk_kernel     # recurrent: in place on the slot's state
+        o, recurrent = kernel(qk[:, :, 0], qk[:, :, 1], v, log_decay, beta, K ** -0.5,
+                              state.get(self.layer, "recurrent"))
         state.put(self.layer, "conv", window[:, -(self.W - 1):])
         state.put(self.layer, "recurrent", recurrent)
         o = gated_rms_norm(o, z, self.o_norm, self.eps, self.gate_activation).to(x.dtype)
-        return F.linear(o.reshape(B, T, H * K), self.o_proj)
+        return linear(o.reshape(B, T, H * K), self.o_proj)

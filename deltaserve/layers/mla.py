@@ -14,6 +14,7 @@ from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..models.spec import StateSpec
 from ..state import StateView
+from .linear import linear
 from .mlp import param
 from .norm import RMSNorm
 
@@ -63,9 +64,9 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.H
-        q, c, k_pe, gate = F.linear(x, self.in_proj).split([self.q_width, self.rank, self.rope, self.gate_width], -1)
+        q, c, k_pe, gate = linear(x, self.in_proj).split([self.q_width, self.rank, self.rope, self.gate_width], -1)
         if self.q_rank:
-            q = F.linear(self.q_a_layernorm(q), self.q_b_proj)
+            q = linear(self.q_a_layernorm(q), self.q_b_proj)
         q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)            # [B, H, T, 192]
         latent = torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
         cache, mask = state.append(self.layer, "latent", latent)               # [B, L, r + rope], [B, 1, T, L]
@@ -74,7 +75,7 @@ class MLAttention(nn.Module):
         out = (ctx @ self.w_uv_t).transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.gate_width:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, self.o_proj)
+        return linear(out, self.o_proj)
 
 
 def latent_attention(query: torch.Tensor, cache: torch.Tensor, mask: torch.Tensor, scale: float, rank: int

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import linear
+
 GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -48,5 +50,5 @@ class GatedMLP(nn.Module):
         return {"gate_proj.weight": self.gate_up[:i], "up_proj.weight": self.gate_up[i:], "down_proj.weight": self.down}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(self.act(gate, up), self.down)
+        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        return linear(self.act(gate, up), self.down)

@@ -16,6 +16,7 @@ from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..ops.mxfp4 import BLOCK, dequantize_mxfp4
 from ..ops.mxfp8 import quantize_dequantize_mxfp8
+from .linear import linear
 from .mlp import GatedMLP, gated_activation, param
 from .norm import RMSNorm
 
@@ -97,22 +98,29 @@ class MoE(nn.Module):
                 dequantize_mxfp4(self.w2_packed[e], self.w2_scale[e], self.dtype))
 
     def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[n, k] * expert_{ids[n, k]}(h[n]) for every token n; h [N, R] -> [N, R]."""
+        """sum_k weights[n, k] * expert_{ids[n, k]}(h[n]) for every token n; h [N, R] -> [N, R]. Experts run in
+        ascending order, as the reference sums them; assignments are grouped on the host (one sync)."""
         qdq = quantize_dequantize_mxfp8 if self.cfg.expert_input_mxfp8 else (lambda t: t)
         h = qdq(h)
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)              # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.cfg.num_experts)
-        starts = (counts.cumsum(0) - counts).tolist()
-        flat_weights = weights.flatten()
+        N, k = ids.shape
+        by_expert: dict[int, list[int]] = {}
+        for slot, e in enumerate(ids.flatten().tolist()):
+            by_expert.setdefault(e, []).append(slot)
         out = torch.zeros_like(h)
-        for e in counts.nonzero().flatten().tolist():  # experts in ascending order, as the reference sums them
-            sel = order[starts[e]:starts[e] + int(counts[e])]
-            tokens = sel // k
+        if N == 1:                                     # one token (decode at batch 1): no gathers or scatters
+            scale = weights.flatten().tolist()
+            for e in sorted(by_expert):
+                w13, w2 = self.expert(e)
+                gate, up = linear(h, w13).chunk(2, dim=-1)
+                out.add_(linear(qdq(self.act(gate, up)), w2), alpha=scale[by_expert[e][0]])
+            return out
+        flat_weights = weights.flatten()
+        for e in sorted(by_expert):
+            slots = torch.tensor(by_expert[e], device=h.device)
+            tokens = slots // k
             w13, w2 = self.expert(e)
-            gate, up = F.linear(h[tokens], w13).chunk(2, dim=-1)
-            y = F.linear(qdq(self.act(gate, up)), w2) * flat_weights[sel, None]
+            gate, up = linear(h[tokens], w13).chunk(2, dim=-1)
+            y = linear(qdq(self.act(gate, up)), w2) * flat_weights[slots, None]
             out.index_add_(0, tokens, y.to(h.dtype))
         return out
 
@@ -124,11 +132,11 @@ class MoE(nn.Module):
             out = self.experts(x, ids, weights)
         else:
             D, R = self.cfg.hidden_size, self.cfg.expert_width
-            h = self.tp.all_reduce(F.linear(x[:, self.tp.share(D)], self.routed_expert_down_proj))
+            h = self.tp.all_reduce(linear(x[:, self.tp.share(D)], self.routed_expert_down_proj))
             routed = self.tp.all_reduce(self.experts(h, ids, weights))
             if self.routed_expert_norm is not None:
                 routed = self.routed_expert_norm(routed)
-            out = F.linear(routed[:, self.tp.share(R)], self.routed_expert_up_proj)
+            out = linear(routed[:, self.tp.share(R)], self.routed_expert_up_proj)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)

@@ -9,8 +9,8 @@ GATE_ACTIVATIONS = {"sigmoid": torch.sigmoid, "silu": F.silu}
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    """x / sqrt(mean(x^2) + eps) over the last dimension, in float32, without a weight."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
 
 
 class RMSNorm(nn.Module):

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..distributed import TP
 from ..layers.kda import KimiDeltaAttention
+from ..layers.linear import linear
 from ..layers.mla import MLAttention
 from ..layers.mlp import GatedMLP, gated_activation, param
 from ..layers.moe import MoE
@@ -124,7 +125,7 @@ class KimiLinearForCausalLM(nn.Module):
         h = self.hidden_states(tokens, state)
         if last_only:
             h = h[:, -1]
-        return self.tp.all_gather_last(F.linear(h, self.lm_head_weight).float())
+        return self.tp.all_gather_last(linear(h, self.lm_head_weight).float())
 
     def checkpoint_map(self) -> dict[str, torch.Tensor]:
         """Official checkpoint tensor name -> the tensor (or view of a fused tensor) it is loaded into."""

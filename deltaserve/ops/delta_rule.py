@@ -6,7 +6,8 @@ beta [B, T, H], state [B, H, K, V] float32. Both forms compute, per head,
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T (scale * q_t)
 
 and return (o [B, T, H, V] float32, final state). The chunked form is exact for any chunk size; the chunk
-size only changes the floating-point reduction order.
+size only changes the floating-point reduction order. Names and signatures follow fla's KDA kernels, so fla's
+Triton kernels drop in where they run (ops/kda.py).
 """
 from __future__ import annotations
 
@@ -18,19 +19,20 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token at a time; the decode path (T = 1) and the reference for the chunked form.
-    Updates `state` (float32) in place, without temporaries the size of the state, and returns it."""
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        scale: float, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token at a time; the decode path (T = 1) and the reference for the chunked form. Updates
+    `initial_state` (float32) in place, without temporaries the size of the state, and returns it as the final one."""
+    state = initial_state
+    decay = g.float().exp().unsqueeze(-1)                             # [B, T, H, K, 1]: scales each key row
+    k, q = k.float().unsqueeze(-1), q.float().unsqueeze(-2) * scale   # [B, T, H, K, 1], [B, T, H, 1, K]
+    v, beta = v.float().unsqueeze(-2), beta.float()[..., None, None]  # [B, T, H, 1, V], [B, T, H, 1, 1]
     out = []
     for t in range(k.shape[1]):
-        k_t = k[:, t].unsqueeze(-1)                                   # [B, H, K, 1]
-        state.mul_(g[:, t].exp().unsqueeze(-1))                       # decay each key row
-        pred = k_t.transpose(-1, -2) @ state                          # [B, H, 1, V]
-        delta = (v[:, t].unsqueeze(-2) - pred) * beta[:, t, :, None, None]
-        state.addcmul_(k_t, delta)                                    # rank-1 update
-        out.append((q[:, t].unsqueeze(-2) * scale) @ state)
+        state.mul_(decay[:, t])
+        delta = (v[:, t] - k[:, t].transpose(-1, -2) @ state) * beta[:, t]
+        state.addcmul_(k[:, t], delta)                                # rank-1 update
+        out.append(q[:, t] @ state)                                   # [B, H, 1, V]
     return torch.cat(out, dim=-2).transpose(1, 2), state
 
 
@@ -64,8 +66,8 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: i
     return scores[0], scores[1]
 
 
-def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, scale: float, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float, initial_state: torch.Tensor, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunks of `chunk_size` tokens: within a chunk everything is matrix algebra (the WY representation, one
     triangular solve), done for all chunks at once; only the chunk-to-chunk state hand-over is a Python loop."""
     B, T, H, K = k.shape
@@ -88,7 +90,7 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     w, u = wu[..., :K], wu[..., K:]
     G_last = G[..., -1:, :]                                           # [B, H, n, 1, K]
     q_decayed, k_to_end, end_decay = q * G.exp(), (G_last - G).exp() * k, G_last.transpose(-1, -2).exp()
-    state = state.float().clone()
+    state = initial_state.float().clone()
     out = torch.empty(B, H, G.shape[2], C, V, dtype=torch.float32, device=k.device)
     for c in range(G.shape[2]):
         v_new = u[:, :, c] - w[:, :, c] @ state                       # pseudo-values against the entering state
