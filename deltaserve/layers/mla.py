@@ -14,7 +14,7 @@ from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..models.spec import StateSpec
 from ..state import StateView
-from .linear import linear
+from .linear import linear, matmul
 from .mlp import param
 from .norm import RMSNorm
 
@@ -70,9 +70,9 @@ class MLAttention(nn.Module):
         q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)            # [B, H, T, 192]
         latent = torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
         cache, mask = state.append(self.layer, "latent", latent)               # [B, L, r + rope], [B, 1, T, L]
-        query = torch.cat((q[..., :self.nope] @ self.w_uk, q[..., self.nope:]), dim=-1)   # [B, H, T, r + rope]
+        query = torch.cat((matmul(q[..., :self.nope], self.w_uk), q[..., self.nope:]), dim=-1)   # [B, H, T, r + rope]
         ctx = latent_attention(query, cache, mask, self.scale, self.rank)       # [B, H, T, r]
-        out = (ctx @ self.w_uv_t).transpose(1, 2).reshape(B, T, H * self.v_dim)
+        out = matmul(ctx, self.w_uv_t).transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.gate_width:
             out = out * torch.sigmoid(gate)
         return linear(out, self.o_proj)
@@ -83,6 +83,6 @@ def latent_attention(query: torch.Tensor, cache: torch.Tensor, mask: torch.Tenso
     """softmax(q c^T * scale) c[:, :rank] with one latent key row shared by all heads (MQA): heads are folded
     into query rows, so the cache is read once per sequence and never expanded per head."""
     B, H, T, C = query.shape
-    scores = (query.reshape(B, H * T, C) @ cache.transpose(1, 2)).view(B, H, T, -1) * scale
+    scores = matmul(query.reshape(B, H * T, C), cache.transpose(1, 2)).view(B, H, T, -1) * scale
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
-    return (probs.view(B, H * T, -1) @ cache[..., :rank]).view(B, H, T, rank)
+    return matmul(probs.view(B, H * T, -1), cache[..., :rank]).view(B, H, T, rank)
