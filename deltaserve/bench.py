@@ -41,6 +41,18 @@ def decode_rate(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> f
     return batch * steps / elapsed
 
 
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes per second this machine reads from memory with torch's threads: the best of a few sums over a buffer
+    larger than any cache."""
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
 def run_bench(llm: Any, load_s: float, prompt_tokens: int, decode_tokens: int, batch: int = 8) -> dict[str, float]:
     engine: Engine = llm.engine
     vocab = llm.cfg.vocab_size
@@ -55,6 +67,9 @@ def run_bench(llm: Any, load_s: float, prompt_tokens: int, decode_tokens: int, b
     engine.cache.clear()
     ttft_recompute, _ = time_to_first_token(engine, follow_up)
     engine.cache.clear()
+    decode1 = decode_rate(engine, 1, 32, decode_tokens)
+    bytes_per_token = llm.model.weight_bytes_per_token()
+    bandwidth = read_bandwidth()
     return {
         "load_s": load_s,
         "prompt_tokens": prompt_tokens,
@@ -64,7 +79,11 @@ def run_bench(llm: Any, load_s: float, prompt_tokens: int, decode_tokens: int, b
         "second_turn_cached_tokens": cached,
         "ttft_second_turn_reuse_s": ttft_reuse,
         "ttft_second_turn_recompute_s": ttft_recompute,
-        "decode_tok_s_batch1": decode_rate(engine, 1, 32, decode_tokens),
+        "decode_tok_s_batch1": decode1,
+        "weight_bytes_per_token": bytes_per_token,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "roofline_decode_tok_s": bandwidth / bytes_per_token,
+        "decode_vs_roofline": bandwidth / bytes_per_token / decode1,
         f"decode_tok_s_batch{batch}": decode_rate(engine, batch, 32, decode_tokens),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -77,6 +96,9 @@ def format_bench(r: dict[str, float]) -> str:
         f"prefill:             {r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens, TTFT {r['ttft_cold_s'] * 1000:.0f} ms)",
         f"decode batch 1:      {r['decode_tok_s_batch1']:.1f} tok/s ({1000 / r['decode_tok_s_batch1']:.1f} ms/token)",
         f"decode {batch_key[len('decode_tok_s_'):]:<13} {r[batch_key]:.1f} tok/s aggregate",
+        f"roofline batch 1:    {r['roofline_decode_tok_s']:.1f} tok/s ({r['weight_bytes_per_token'] / 1e6:.1f} MB of "
+        f"weights per token at {r['read_bandwidth_gb_s']:.1f} GB/s read); decode is {r['decode_vs_roofline']:.2f}x "
+        "slower",
         f"second turn TTFT:    {r['ttft_second_turn_reuse_s'] * 1000:.0f} ms reusing {r['second_turn_cached_tokens']} of "
         f"{r['second_turn_tokens']} tokens vs {r['ttft_second_turn_recompute_s'] * 1000:.0f} ms recomputed "
         f"({r['ttft_second_turn_recompute_s'] / r['ttft_second_turn_reuse_s']:.1f}x)",

@@ -90,6 +90,11 @@ class MoE(nn.Module):
             views.update({f"shared_experts.{k}": v for k, v in self.shared_experts.checkpoint_views().items()})
         return views
 
+    def routed_expert_weights(self) -> list[torch.Tensor]:
+        """The stacked [E, ...] tensors of the routed experts (a decode step reads the selected rows only)."""
+        names = ("w13_packed", "w13_scale", "w2_packed", "w2_scale") if self.cfg.experts_mxfp4 else ("w13", "w2")
+        return [getattr(self, n) for n in names]
+
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, R], w2 [R, I]) in the activation dtype."""
         if not self.cfg.experts_mxfp4:

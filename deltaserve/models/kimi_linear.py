@@ -131,6 +131,21 @@ class KimiLinearForCausalLM(nn.Module):
         """Official checkpoint tensor name -> the tensor (or view of a fused tensor) it is loaded into."""
         return _views(self, "")
 
+    def weight_bytes_per_token(self) -> int:
+        """Weight bytes one decode step of one sequence reads on this rank: every weight, but one embedding row and,
+        of the routed experts, the top-k share (the roofline of a memory-bound decode)."""
+        cfg = self.cfg
+        routed = {id(p) for m in self.modules() if isinstance(m, MoE) for p in m.routed_expert_weights()}
+        total = 0
+        for p in self.parameters():
+            n = p.numel() * p.element_size()
+            if p is self.model.embed_tokens.weight and not cfg.tie_word_embeddings:
+                n //= p.shape[0]
+            elif id(p) in routed:
+                n = n * cfg.num_experts_per_token // cfg.num_experts
+            total += n
+        return total
+
 
 def _views(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     if hasattr(module, "checkpoint_views"):   # fused parameters: the layer maps names to views
