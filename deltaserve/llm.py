@@ -16,6 +16,7 @@ from .checkpoint import load_into
 from .distributed import TP
 from .engine import Engine, Request
 from .models.registry import load_config
+from .ops.cpu_kernels import kernels
 from .parallel import TPRunner, Workers, join_group
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -41,6 +42,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     spec.check_tp(cfg, tp.size)
     with torch.device(device):
         model = spec.model(cfg, resolve_dtype(dtype, cfg), chunk_size, tp)
+    if torch.device(device).type == "cpu":
+        kernels()                 # build / load the CPU decode kernels now, not during a request
     prefix = spec.checkpoint_prefix
     targets = {prefix + name: t for name, t in model.checkpoint_map().items()}
     load_into(targets, path, progress, tp, spec.split_plan(cfg), prefix)

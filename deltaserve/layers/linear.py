@@ -1,27 +1,57 @@
-"""The model's matrix products (projections and attention), with the one CPU case that needs care: without bf16
-arithmetic (AVX512-BF16 or AMX), oneDNN's bf16 GEMM runs several times slower than fp32 MKL (measured 3.7x at 256
-rows on this project's CI machine), so bf16 operands of a product with more than a few rows are widened to fp32
-first. Either way the products accumulate in fp32 and the result is rounded to bf16 once; only the summation order
-differs."""
+"""The model's matrix products (projections, experts, attention), each picking the fastest exact way on its device:
+
+- 1..8 rows on a CPU with deltaserve's decode kernels (ops/cpu_kernels.py): one pass over the weights, widened to
+  fp32 in registers, for fp32, bf16 and MXFP4 weights alike;
+- bf16 operands of a larger product on a CPU without bf16 arithmetic (AVX512-BF16 or AMX) are widened to fp32
+  first: oneDNN's bf16 GEMM runs several times slower there than fp32 MKL (3.7x at 256 rows on this project's CI
+  machine).
+Either way products accumulate in fp32 and a bf16 result is rounded once; only the summation order differs.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..ops.cpu_kernels import MAX_ROWS, kernels
+from ..ops.mxfp4 import dequantize_mxfp4
+
 CPU_BF16_ARITHMETIC = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 WIDEN_FROM_ROWS = 4       # below this, reading bf16 weights (half the bytes of fp32) wins
 
 
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+def _decode_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """The CPU decode kernels when they apply to this product, else None."""
+    if weight.device.type != "cpu" or _rows(x) > MAX_ROWS or not weight.is_contiguous():
+        return None
+    return kernels()
+
+
 def _widen(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (b.dtype == torch.bfloat16 and not CPU_BF16_ARITHMETIC and b.device.type == "cpu"
-            and a.numel() >= WIDEN_FROM_ROWS * a.shape[-1])
+            and _rows(a) >= WIDEN_FROM_ROWS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T."""
+    k = _decode_kernels(x, weight) if weight.dtype in (torch.float32, torch.bfloat16) else None
+    if k is not None:
+        return k.gemv(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1).to(x.dtype)
     if _widen(x, weight):
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
+
+
+def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x @ W^T for MXFP4 W (packed [N, K/2], scales [N, K/32]): read packed by the decode kernels, else
+    dequantized exactly to x's dtype first."""
+    k = _decode_kernels(x, packed)
+    if k is not None:
+        return k.gemv_mxfp4(x.reshape(-1, x.shape[-1]), packed, scales).view(*x.shape[:-1], -1).to(x.dtype)
+    return linear(x, dequantize_mxfp4(packed, scales, x.dtype))
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

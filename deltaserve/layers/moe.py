@@ -14,9 +14,9 @@ from torch import nn
 
 from ..distributed import TP
 from ..models.kimi_config import KimiConfig
-from ..ops.mxfp4 import BLOCK, dequantize_mxfp4
+from ..ops.mxfp4 import BLOCK
 from ..ops.mxfp8 import quantize_dequantize_mxfp8
-from .linear import linear
+from .linear import linear, linear_mxfp4
 from .mlp import GatedMLP, gated_activation, param
 from .norm import RMSNorm
 
@@ -95,12 +95,13 @@ class MoE(nn.Module):
         names = ("w13_packed", "w13_scale", "w2_packed", "w2_scale") if self.cfg.experts_mxfp4 else ("w13", "w2")
         return [getattr(self, n) for n in names]
 
-    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (w13 [2I, R], w2 [R, I]) in the activation dtype."""
-        if not self.cfg.experts_mxfp4:
-            return self.w13[e], self.w2[e]
-        return (dequantize_mxfp4(self.w13_packed[e], self.w13_scale[e], self.dtype),
-                dequantize_mxfp4(self.w2_packed[e], self.w2_scale[e], self.dtype))
+    def expert(self, e: int, h: torch.Tensor, qdq) -> torch.Tensor:
+        """Expert e on the rows h [n, R] -> [n, R] (MXFP4 weights stay packed; see layers/linear.py)."""
+        if self.cfg.experts_mxfp4:
+            gate, up = linear_mxfp4(h, self.w13_packed[e], self.w13_scale[e]).chunk(2, dim=-1)
+            return linear_mxfp4(qdq(self.act(gate, up)), self.w2_packed[e], self.w2_scale[e])
+        gate, up = linear(h, self.w13[e]).chunk(2, dim=-1)
+        return linear(qdq(self.act(gate, up)), self.w2[e])
 
     def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[n, k] * expert_{ids[n, k]}(h[n]) for every token n; h [N, R] -> [N, R]. Experts run in
@@ -115,17 +116,13 @@ class MoE(nn.Module):
         if N == 1:                                     # one token (decode at batch 1): no gathers or scatters
             scale = weights.flatten().tolist()
             for e in sorted(by_expert):
-                w13, w2 = self.expert(e)
-                gate, up = linear(h, w13).chunk(2, dim=-1)
-                out.add_(linear(qdq(self.act(gate, up)), w2), alpha=scale[by_expert[e][0]])
+                out.add_(self.expert(e, h, qdq), alpha=scale[by_expert[e][0]])
             return out
         flat_weights = weights.flatten()
         for e in sorted(by_expert):
             slots = torch.tensor(by_expert[e], device=h.device)
             tokens = slots // k
-            w13, w2 = self.expert(e)
-            gate, up = linear(h[tokens], w13).chunk(2, dim=-1)
-            y = linear(qdq(self.act(gate, up)), w2) * flat_weights[slots, None]
+            y = self.expert(e, h[tokens], qdq) * flat_weights[slots, None]
             out.index_add_(0, tokens, y.to(h.dtype))
         return out
 

@@ -1,0 +1,35 @@
+"""deltaserve's CPU decode kernels (csrc/cpu_gemv.cpp): matrix-vector products for 1..8 rows against fp32, bf16
+and MXFP4 weights, at memory speed. Built once with the C++ toolchain torch uses (`python -m
+deltaserve.ops.cpu_kernels` during set-up; cached by torch.utils.cpp_extension) and loaded at model load, never while
+a request waits. Absent (None) on CPUs without AVX-512, where the build fails, or with DELTASERVE_CPU_KERNELS=0:
+callers then use PyTorch's own ops."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).parent.parent / "csrc" / "cpu_gemv.cpp"
+MAX_ROWS = 8
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    if os.environ.get("DELTASERVE_CPU_KERNELS", "1") == "0" or not torch.cpu._is_avx512_supported():
+        return None
+    from torch.utils.cpp_extension import load
+    try:
+        return load("deltaserve_cpu_gemv", [str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler or headers: serve with PyTorch's ops instead
+        print(f"deltaserve: CPU decode kernels unavailable ({type(e).__name__}: {e}); using PyTorch's ops",
+              file=sys.stderr)
+        return None
+
+
+if __name__ == "__main__":       # set-up: build (or find) the kernels now
+    print("deltaserve CPU kernels:", "ready" if kernels() is not None else "not available")

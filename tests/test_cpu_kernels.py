@@ -1,0 +1,58 @@
+"""The CPU decode kernels equal PyTorch's products, and a row's result does not depend on the other rows."""
+import pytest
+import torch
+
+from deltaserve.ops.cpu_kernels import kernels
+from deltaserve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+k = kernels()
+pytestmark = pytest.mark.skipif(k is None, reason="needs an x86 CPU with AVX-512 and a C++ compiler")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [512, 100])                  # 100: a tail shorter than one 16-wide vector
+def test_gemv_equals_float64_reference(dtype, K):
+    g = torch.Generator().manual_seed(K)
+    W = torch.randn(300, K, generator=g).to(dtype)
+    x = torch.randn(8, K, generator=g)
+    ref = (x.double() @ W.double().T)
+    for M in range(1, 9):
+        got = k.gemv(x[:M], W)
+        assert got.dtype == torch.float32
+        assert (got.double() - ref[:M]).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_mxfp4_gemv_equals_the_dequantized_product():
+    g = torch.Generator().manual_seed(0)
+    packed, scales = quantize_mxfp4(torch.randn(257, 1024, generator=g) * 0.05)
+    x = torch.randn(8, 1024, generator=g)
+    ref = x.double() @ dequantize_mxfp4(packed, scales, torch.float64).T
+    for M in (1, 3, 8):
+        assert (k.gemv_mxfp4(x[:M], packed, scales).double() - ref[:M]).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+def test_a_rows_result_does_not_depend_on_the_batch(weights):
+    """Bitwise: decode at batch 8 gives each sequence what it gets alone (for any thread count)."""
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(640, 512, generator=g)
+    x = torch.randn(8, 512, generator=g)
+    run = (lambda rows: k.gemv(rows, W.bfloat16())) if weights == "bf16" else \
+        (lambda rows: k.gemv_mxfp4(rows, *quantize_mxfp4(W)))
+    together = run(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for i in range(8):
+            assert torch.equal(run(x[i:i + 1])[0], together[i])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(RuntimeError, match="1..8 rows"):
+        k.gemv(torch.randn(9, 64), torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="must be"):
+        k.gemv(torch.randn(1, 32), torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="scales must be"):
+        k.gemv_mxfp4(torch.randn(1, 64), torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8))
