@@ -24,5 +24,5 @@ if [[ -n "$TORCH_SPEC" ]]; then
 else
   .venv/bin/python -m pip install -q -e ".[test]"
 fi
-.venv/bin/python -m deltaserve.ops.cpu_kernels      # build the CPU decode kernels once (cached by torch)
+.venv/bin/python -c "from deltaserve.ops.cpu_kernels import kernels; kernels()"   # build the CPU kernels once
 echo "$want" > "$stamp"

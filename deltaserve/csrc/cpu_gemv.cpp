@@ -7,7 +7,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -149,7 +151,130 @@ torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, co
   return y;
 }
 
+// One KDA decode step (T = 1) for a batch: causal conv of the new q|k|v inputs over the carried window, SiLU,
+// L2 norms, forget gate and beta, the gated delta rule on the fp32 state, and the gated RMSNorm of the output, in
+// place on the conv window and the state. Mirrors KimiDeltaAttention.forward op for op (including where values
+// are rounded to the activation dtype) for one (row, head) per task.
+namespace {
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return float(v); }
+template <typename T> inline float round_to(float v) { return to_float(T(v)); }
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+struct KdaArgs {
+  int64_t B, H, K, W;
+  int64_t proj_stride, gate_stride, beta_stride, f_stride;   // row strides of the projection slices
+  int64_t conv_stride, state_stride;                          // slot strides of the conv window and the state
+  float lower_bound, eps, scale;
+  bool per_channel, silu_gate;
+};
+
+template <typename T>
+void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, const float* taps, const T* f,
+              const float* dt_bias, const float* decay, const T* beta_logit, const T* z, const float* o_norm,
+              float* S, T* out) {
+  const int64_t K = a.K, P = a.H * K, W = a.W;
+  std::vector<float> qkv(3 * K);
+  for (int part = 0; part < 3; ++part) {
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t c = part * P + h * K + i;
+      T* window = conv + b * a.conv_stride + c;                 // W-1 rows of 3P channels
+      const T fresh = proj[b * a.proj_stride + c];
+      float acc = 0.f;
+      for (int64_t j = 0; j < W - 1; ++j) acc += to_float(window[j * 3 * P]) * taps[c * W + j];
+      acc += to_float(fresh) * taps[c * W + W - 1];
+      for (int64_t j = 0; j + 1 < W - 1; ++j) window[j * 3 * P] = window[(j + 1) * 3 * P];
+      window[(W - 2) * 3 * P] = fresh;
+      qkv[part * K + i] = round_to<T>(acc * sigmoid(acc));
+    }
+  }
+  float* q = qkv.data(); float* k = q + K; float* v = k + K;
+  for (float* x : {q, k}) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < K; ++i) ss += x[i] * x[i];
+    const float inv = 1.f / std::sqrt(ss + 1e-6f);
+    for (int64_t i = 0; i < K; ++i) x[i] *= inv;
+  }
+  for (int64_t i = 0; i < K; ++i) q[i] *= a.scale;
+  const float beta = sigmoid(to_float(beta_logit[b * a.beta_stride + h]));
+  float* s = S + b * a.state_stride + h * K * K;                // [K keys][K values]
+  std::vector<float> pred(K, 0.f), o(K, 0.f);
+  for (int64_t r = 0; r < K; ++r) {
+    const float fr = to_float(f[b * a.f_stride + h * K + r]) + dt_bias[h * K + r];
+    const float rate = a.per_channel ? decay[r] : decay[h];
+    const float log_decay = a.lower_bound != 0.f ? a.lower_bound * sigmoid(rate * fr) : -rate * softplus(fr);
+    const float d = std::exp(log_decay);
+    float* row = s + r * K;
+    for (int64_t c = 0; c < K; ++c) row[c] *= d;
+  }
+  for (int64_t r = 0; r < K; ++r) {
+    const float* row = s + r * K;
+    for (int64_t c = 0; c < K; ++c) pred[c] += k[r] * row[c];
+  }
+  for (int64_t c = 0; c < K; ++c) pred[c] = (v[c] - pred[c]) * beta;          // delta
+  for (int64_t r = 0; r < K; ++r) {
+    float* row = s + r * K;
+    for (int64_t c = 0; c < K; ++c) row[c] += k[r] * pred[c];
+    for (int64_t c = 0; c < K; ++c) o[c] += q[r] * row[c];
+  }
+  float ss = 0.f;
+  for (int64_t c = 0; c < K; ++c) ss += o[c] * o[c];
+  const float inv = 1.f / std::sqrt(ss / K + a.eps);
+  for (int64_t c = 0; c < K; ++c) {
+    const float g = to_float(z[b * a.gate_stride + h * K + c]);
+    const float act = a.silu_gate ? g * sigmoid(g) : sigmoid(g);
+    out[b * P + h * K + c] = T(o[c] * inv * o_norm[c] * act);
+  }
+}
+
+template <typename T>
+torch::Tensor kda_step_typed(const KdaArgs& a, const torch::Tensor& proj, torch::Tensor& conv, const torch::Tensor& taps,
+                             const torch::Tensor& f, const torch::Tensor& dt_bias, const torch::Tensor& decay,
+                             const torch::Tensor& beta_logit, const torch::Tensor& z, const torch::Tensor& o_norm,
+                             torch::Tensor& S) {
+  auto out = torch::empty({a.B, a.H * a.K}, proj.options());
+  const T* P = proj.data_ptr<T>(); T* C = conv.data_ptr<T>(); const T* F = f.data_ptr<T>();
+  const T* Bl = beta_logit.data_ptr<T>(); const T* Z = z.data_ptr<T>(); T* O = out.data_ptr<T>();
+  const float* taps_p = taps.data_ptr<float>(); const float* dt = dt_bias.data_ptr<float>();
+  const float* dec = decay.data_ptr<float>(); const float* w = o_norm.data_ptr<float>(); float* St = S.data_ptr<float>();
+  at::parallel_for(0, a.B * a.H, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) kda_head<T>(a, t / a.H, t % a.H, P, C, taps_p, F, dt, dec, Bl, Z, w, St, O);
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, const torch::Tensor& taps,
+                              const torch::Tensor& f, const torch::Tensor& dt_bias, const torch::Tensor& decay,
+                              double lower_bound, const torch::Tensor& beta_logit, const torch::Tensor& z,
+                              const torch::Tensor& o_norm, double eps, bool silu_gate, bool per_channel,
+                              torch::Tensor S) {
+  const int64_t B = proj.size(0), H = S.size(1), K = S.size(2), W = taps.size(1);
+  for (const auto* t : {&proj, &f, &beta_logit, &z})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->stride(1) == 1 && t->scalar_type() == proj.scalar_type(),
+                "projections must be [B, n] row slices of one dtype");
+  TORCH_CHECK(conv.dim() == 3 && conv.size(1) == W - 1 && conv.stride(2) == 1 && conv.stride(1) == 3 * H * K &&
+              conv.scalar_type() == proj.scalar_type(), "conv window must be [B, W-1, 3P] in the activation dtype");
+  TORCH_CHECK(S.dim() == 4 && S.size(3) == K && S.scalar_type() == torch::kFloat && S.stride(3) == 1 &&
+              S.stride(2) == K && S.stride(1) == K * K, "state must be [B, H, K, K] float32, each slot contiguous");
+  TORCH_CHECK(taps.scalar_type() == torch::kFloat && taps.is_contiguous() && taps.size(0) == 3 * H * K,
+              "taps must be [3P, W] float32");
+  TORCH_CHECK(decay.numel() == (per_channel ? K : H), "decay rates: one per ", per_channel ? "key channel" : "head");
+  KdaArgs a{B, H, K, W, proj.stride(0), z.stride(0), beta_logit.stride(0), f.stride(0), conv.stride(0), S.stride(0),
+            float(lower_bound), float(eps), 1.f / std::sqrt(float(K)), per_channel, silu_gate};
+  auto tc = [](const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); };
+  const auto dt = tc(dt_bias), dec = tc(decay), w = tc(o_norm);
+  if (proj.scalar_type() == torch::kBFloat16)
+    return kda_step_typed<at::BFloat16>(a, proj, conv, taps, f, dt, dec, beta_logit, z, w, S);
+  TORCH_CHECK(proj.scalar_type() == torch::kFloat, "activations must be float32 or bfloat16");
+  return kda_step_typed<float>(a, proj, conv, taps, f, dt, dec, beta_logit, z, w, S);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kda_decode_step", &kda_decode_step, "one fused KDA decode step, in place on the conv window and state");
   m.def("gemv", &gemv, "y = x @ W^T for 1..8 rows, W float32 or bfloat16, fp32 result");
   m.def("gemv_mxfp4", &gemv_mxfp4, "y = x @ dequant(packed, scales)^T for 1..8 rows, fp32 result");
 }

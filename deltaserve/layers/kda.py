@@ -16,6 +16,7 @@ from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..models.spec import StateSpec
 from ..ops.delta_rule import l2norm
+from ..ops.cpu_kernels import kernels
 from ..ops.kda import kda_kernels
 from ..state import StateView
 from .linear import linear
@@ -83,9 +84,13 @@ class KimiDeltaAttention(nn.Module):
         self.decay_rate = a.exp() if self.per_channel else a[self.heads].exp().view(self.H, 1)
         self.taps = self.conv.float()
         self.chunk_kernel, self.recurrent_kernel = kda_kernels(self.conv.device.type, self.chunk_size)
+        self.fused_step = kernels() if self.conv.device.type == "cpu" else None     # the decode step as one op
+        self.taps_2d = self.taps.squeeze(1).contiguous()
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
+        if T == 1 and self.fused_step is not None:
+            return self.decode_fused(x, state)
         H, K = self.H, self.K
         qkv, f_a, g, b = linear(x, self.in_proj).split([3 * self.P, K, self.split[2], H], dim=-1)
         # Causal depthwise conv over [carried W-1 inputs | new inputs], accumulated in float32.
@@ -104,3 +109,17 @@ class KimiDeltaAttention(nn.Module):
         state.put(self.layer, "recurrent", recurrent)
         o = gated_rms_norm(o, z, self.o_norm, self.eps, self.gate_activation).to(x.dtype)
         return linear(o.reshape(B, T, H * K), self.o_proj)
+
+    def decode_fused(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
+        """The T = 1 path of `forward` with everything between the projections in one CPU kernel (same math and
+        roundings; see csrc/cpu_gemv.cpp)."""
+        qkv, f_a, g, b = linear(x[:, 0], self.in_proj).split([3 * self.P, self.K, self.split[2], self.H], dim=-1)
+        f = linear(f_a, self.f_b)
+        z = g if self.full_rank_gate else linear(g, self.g_b)
+        conv, recurrent = state.get(self.layer, "conv"), state.get(self.layer, "recurrent")
+        o = self.fused_step.kda_decode_step(qkv, conv, self.taps_2d, f, self.dt_bias, self.decay_rate,
+                                            self.bound or 0.0, b, z, self.o_norm, self.eps,
+                                            self.gate_activation == "silu", self.per_channel, recurrent)
+        state.put(self.layer, "conv", conv)
+        state.put(self.layer, "recurrent", recurrent)
+        return linear(o, self.o_proj).unsqueeze(1)

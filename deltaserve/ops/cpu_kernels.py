@@ -1,6 +1,6 @@
 """deltaserve's CPU decode kernels (csrc/cpu_gemv.cpp): matrix-vector products for 1..8 rows against fp32, bf16
-and MXFP4 weights, at memory speed. Built once with the C++ toolchain torch uses (`python -m
-deltaserve.ops.cpu_kernels` during set-up; cached by torch.utils.cpp_extension) and loaded at model load, never while
+and MXFP4 weights, at memory speed. Built once with the C++ toolchain torch uses (during set-up;
+cached by torch.utils.cpp_extension) and loaded at model load, never while
 a request waits. Absent (None) on CPUs without AVX-512, where the build fails, or with DELTASERVE_CPU_KERNELS=0:
 callers then use PyTorch's own ops."""
 from __future__ import annotations
@@ -29,7 +29,3 @@ def kernels() -> ModuleType | None:
         print(f"deltaserve: CPU decode kernels unavailable ({type(e).__name__}: {e}); using PyTorch's ops",
               file=sys.stderr)
         return None
-
-
-if __name__ == "__main__":       # set-up: build (or find) the kernels now
-    print("deltaserve CPU kernels:", "ready" if kernels() is not None else "not available")
