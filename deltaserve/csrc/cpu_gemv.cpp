@@ -273,7 +273,39 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
   return kda_step_typed<float>(a, proj, conv, taps, f, dt, dec, beta_logit, z, w, S);
 }
 
+// RMSNorm of a few rows as the Kimi family computes it: statistics in fp32, normalised values rounded to the input
+// dtype, then multiplied by the weight (in the input dtype, as `weight * x.to(dtype)` does).
+namespace {
+template <typename T>
+void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * D;
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
+    const float inv = 1.f / std::sqrt(ss / D + eps);
+    for (int64_t i = 0; i < D; ++i) y[r * D + i] = T(to_float(w[i]) * round_to<T>(to_float(xr[i]) * inv));
+  }
+}
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const auto xc = x.contiguous();
+  const int64_t D = xc.size(-1), rows = xc.numel() / D;
+  TORCH_CHECK(weight.numel() == D && weight.scalar_type() == xc.scalar_type() && weight.is_contiguous(),
+              "weight must be [D] in x's dtype");
+  auto y = torch::empty_like(xc);
+  if (xc.scalar_type() == torch::kBFloat16)
+    rms_rows<at::BFloat16>(xc.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(),
+                           rows, D, float(eps));
+  else {
+    TORCH_CHECK(xc.scalar_type() == torch::kFloat, "x must be float32 or bfloat16");
+    rms_rows<float>(xc.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, D, float(eps));
+  }
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows: fp32 statistics, rounded to x's dtype, times the weight");
   m.def("kda_decode_step", &kda_decode_step, "one fused KDA decode step, in place on the conv window and state");
   m.def("gemv", &gemv, "y = x @ W^T for 1..8 rows, W float32 or bfloat16, fp32 result");
   m.def("gemv_mxfp4", &gemv_mxfp4, "y = x @ dequant(packed, scales)^T for 1..8 rows, fp32 result");
