@@ -22,7 +22,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = kernels() if x.device.type == "cpu" and x.numel() <= MAX_ROWS * x.shape[-1] else None
+        k = kernels() if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                          and x.numel() <= MAX_ROWS * x.shape[-1]) else None
         if k is not None:                 # decode: one op instead of five (same math, ops/cpu_kernels.py)
             return k.rms_norm(x, self.weight, self.eps)
         return self.weight * rms_normalize(x, self.eps).to(x.dtype)
