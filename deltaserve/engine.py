@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .prefix_cache import PrefixCache
-from .runner import ModelRunner
+from .runner import ModelFailure, ModelRunner
 from .sampling import Sampler, SamplingParams, StopStrings
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -214,6 +214,8 @@ class Engine:
         """Run one request's share of a step; if it fails, fail that request alone."""
         try:
             work(*args)
+        except ModelFailure:
+            raise                      # not this request's: the model itself cannot go on
         except Exception as e:  # noqa: BLE001 - any failure of one request's processing is that request's
             frame = traceback.extract_tb(e.__traceback__)[-1]
             r.error = f"{type(e).__name__}: {e} (at {frame.filename}:{frame.lineno})"

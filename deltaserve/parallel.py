@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .config import ConfigError
 from .distributed import TP
-from .runner import ModelRunner
+from .runner import ModelFailure, ModelRunner
 from .state import Snapshot
 
 TIMEOUT = timedelta(minutes=10)
@@ -142,7 +142,7 @@ class Workers:
             self._read_reports(wait=0.5)
             cause = self.failures.get(rank)
             hint = f": {cause}" if cause else f" (exit code {p.exitcode}); {MAIN_GUARD_HINT}"
-            raise RuntimeError(f"tensor-parallel rank {rank} died{' ' + context if context else ''}{hint}")
+            raise ModelFailure(f"tensor-parallel rank {rank} died{' ' + context if context else ''}{hint}")
 
     def stop(self, wait: float = 10.0) -> None:
         """Make sure the worker ranks are gone and this process has left the group (after close() or a failure)."""
@@ -171,9 +171,9 @@ class TPRunner(ModelRunner):
         """Run something that talks to the other ranks; a failure caused by a dead rank says so."""
         try:
             return fn(*args, **kwargs)
-        except RuntimeError:
+        except RuntimeError as e:
             self.workers.check(wait=2.0)
-            raise
+            raise ModelFailure(f"tensor-parallel collective failed: {e}") from e
 
     def forward(self, tokens: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
         self._announce("forward", tokens, slots, starts)

@@ -10,6 +10,10 @@ from torch import nn
 from .state import Snapshot, StatePool
 
 
+class ModelFailure(RuntimeError):
+    """The model or its devices failed (e.g. a tensor-parallel rank died): no request can be served any more."""
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, num_slots: int, max_len: int):
         """`model`: a registered family's model (models/spec.py): forward(tokens, state, last_only), state_spec()."""
