@@ -87,6 +87,8 @@ def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--max-num-seqs", type=integer(1), default=8, help="sequences decoded together")
     p.add_argument("--prefix-cache-bytes", type=integer(0), default=1 << 30)
     p.add_argument("--hf-overrides", type=json_object, default=None, help="JSON merged into config.json")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8: weight-only int8 projections and experts, one scale per 32 inputs (llama.cpp's Q8_0)")
     p.add_argument("--tensor-parallel-size", type=integer(1), default=1,
                    help="ranks (processes) sharing the model; gloo on CPU, NCCL on CUDA; torchrun for several hosts")
     p.add_argument("--batch-invariant", action="store_true",
@@ -96,13 +98,11 @@ def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 def load_llm(args: argparse.Namespace, warmup: bool = False):
     from .llm import LLM
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              chunk_size=args.chunk_size, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
-              prefix_cache_bytes=args.prefix_cache_bytes, tensor_parallel_size=args.tensor_parallel_size)
-    llm.engine.batch_invariant = args.batch_invariant          # before warmup, which then runs the same path
-    if warmup:
-        llm.engine.warmup()
-    return llm
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               chunk_size=args.chunk_size, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
+               prefix_cache_bytes=args.prefix_cache_bytes, warmup=warmup,
+               tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+               batch_invariant=args.batch_invariant)
 
 
 def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, float]]:
@@ -326,13 +326,13 @@ def run_torchrun_worker(args: argparse.Namespace) -> None:
     """Under torchrun, ranks other than 0 only serve their slice of the model to rank 0."""
     import functools
 
-    from .llm import context_length, make_runner
+    from .llm import LoadConfig, context_length, make_runner
     from .models.registry import load_config
     from .parallel import worker_main
     size = int(os.environ["WORLD_SIZE"])
     max_len = context_length(load_config(args.model, args.hf_overrides)[1], args.max_model_len)
-    factory = functools.partial(make_runner, args.model, args.dtype, args.device, args.chunk_size, args.hf_overrides,
-                                args.max_num_seqs, max_len)
+    load = LoadConfig(args.model, args.dtype, args.device, args.chunk_size, args.hf_overrides, args.quantization)
+    factory = functools.partial(make_runner, load, args.max_num_seqs, max_len)
     worker_main(int(os.environ["RANK"]), size, None, factory)
 
 

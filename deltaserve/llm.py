@@ -15,6 +15,7 @@ from .chat import ChatTemplate
 from .checkpoint import load_into
 from .distributed import TP
 from .engine import Engine, Request
+from .layers.linear import quantize_module_weights
 from .models.registry import load_config
 from .ops.cpu_kernels import kernels
 from .parallel import TPRunner, Workers, join_group
@@ -34,22 +35,44 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: Any) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu", chunk_size: int = 64,
-               hf_overrides: dict[str, Any] | None = None, progress: bool | None = None,
-               tp: TP = TP()) -> nn.Module:
+QUANTIZATIONS = ("int8",)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What a process needs to build its (slice of the) model: the same on every tensor-parallel rank."""
+    path: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    chunk_size: int = 64                          # delta-rule chunk: part of the numerics
+    hf_overrides: dict[str, Any] | None = None
+    quantization: str | None = None               # "int8": weight-only int8 projections (Q8_0 layout)
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size: {self.chunk_size} must be positive")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: CUDA is not available to this torch build ({torch.__version__})")
+
+
+def load_model(load: LoadConfig, progress: bool | None = None, tp: TP = TP()) -> nn.Module:
     """Build the model (this rank's slice of it under tensor parallelism) and fill it from the checkpoint."""
-    spec, cfg = load_config(path, hf_overrides)
+    spec, cfg = load_config(load.path, load.hf_overrides)
     spec.check_tp(cfg, tp.size)
-    with torch.device(device):
-        model = spec.model(cfg, resolve_dtype(dtype, cfg), chunk_size, tp)
-    if torch.device(device).type == "cpu":
+    with torch.device(load.device):
+        model = spec.model(cfg, resolve_dtype(load.dtype, cfg), load.chunk_size, tp)
+    if torch.device(load.device).type == "cpu":
         kernels()                 # build / load the CPU decode kernels now, not during a request
     prefix = spec.checkpoint_prefix
     targets = {prefix + name: t for name, t in model.checkpoint_map().items()}
-    load_into(targets, path, progress, tp, spec.split_plan(cfg), prefix)
+    load_into(targets, load.path, progress, tp, spec.split_plan(cfg), prefix)
     for module in model.modules():
         if hasattr(module, "finalize"):
             module.finalize()
+    if load.quantization == "int8":
+        quantize_module_weights(model)
     return model.eval()
 
 
@@ -77,12 +100,10 @@ def context_length(cfg: Any, max_model_len: int | None) -> int:
     return min(max_model_len or DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings)
 
 
-def make_runner(path: str | Path, dtype: str, device: str, chunk_size: int, hf_overrides: dict[str, Any] | None,
-                num_slots: int, max_len: int, init_method: str | None, tp: TP) -> ModelRunner:
+def make_runner(load: LoadConfig, num_slots: int, max_len: int, init_method: str | None, tp: TP) -> ModelRunner:
     """A worker rank's runner: join the group, load this rank's slices (picklable, for spawned processes)."""
-    join_group(tp, init_method, device)
-    model = load_model(path, dtype, device, chunk_size, hf_overrides, progress=False, tp=tp)
-    return ModelRunner(model, num_slots, max_len)
+    join_group(tp, init_method, load.device)
+    return ModelRunner(load_model(load, progress=False, tp=tp), num_slots, max_len)
 
 
 class LLM:
@@ -91,29 +112,25 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                  chunk_size: int = 64, hf_overrides: dict[str, Any] | None = None, max_num_seqs: int = 8,
                  prefill_tokens: int = 256, prefix_cache_bytes: int = 1 << 30, warmup: bool = False,
-                 progress: bool | None = None, tensor_parallel_size: int = 1):
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size: {chunk_size} must be positive")
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available to this torch build ({torch.__version__})")
+                 progress: bool | None = None, tensor_parallel_size: int = 1, quantization: str | None = None,
+                 batch_invariant: bool = False):
+        load = LoadConfig(str(model), dtype, device, chunk_size, hf_overrides, quantization)
         spec, cfg = load_config(model, hf_overrides)
         spec.check_tp(cfg, tensor_parallel_size)                 # refuse before any process or weight
         self.spec, self.cfg = spec, cfg
         self.device = torch.device(device)
         self.max_model_len = context_length(cfg, max_model_len)
         if tensor_parallel_size == 1:
-            self.model = load_model(model, dtype, device, chunk_size, hf_overrides, progress)
+            self.model = load_model(load, progress)
             self.runner: ModelRunner = ModelRunner(self.model, max_num_seqs, self.max_model_len)
         else:
             size = tensor_parallel_size
             if device == "cpu":
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-            factory = functools.partial(make_runner, model, dtype, device, chunk_size, hf_overrides, max_num_seqs,
-                                        self.max_model_len)
-            workers = Workers(size, factory)
+            workers = Workers(size, functools.partial(make_runner, load, max_num_seqs, self.max_model_len))
             try:
                 workers.join(device)
-                self.model = load_model(model, dtype, device, chunk_size, hf_overrides, progress, TP(0, size))
+                self.model = load_model(load, progress, TP(0, size))
                 workers.check()
             except BaseException:      # e.g. a bad checkpoint: leave no rank and no group behind
                 workers.stop(wait=0)
@@ -125,7 +142,7 @@ class LLM:
             self.tokenizer = None            # token-id prompts still work
         self.template = ChatTemplate((self.tokenizer.chat_template if self.tokenizer else None) or spec.chat_template)
         self.engine = Engine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, prefill_tokens,
-                             prefix_cache_bytes)
+                             prefix_cache_bytes, batch_invariant)
         if warmup:
             self.engine.warmup()
 

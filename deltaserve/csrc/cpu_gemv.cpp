@@ -77,6 +77,30 @@ void mxfp4_rows(const float* xe, const float* xo, int64_t K, const uint8_t* P, c
   }
 }
 
+// Int8 weights with one fp32 scale per 32 consecutive inputs (llama.cpp's Q8_0 layout, fp32 scales).
+template <int M>
+void q8_rows(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t n0, int64_t n1, float* y,
+             int64_t N) {
+  const int64_t blocks = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = Q + n * K;
+    const float* s = S + n * blocks;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * 32))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * 32 + 16))));
+      const __m512 scale = _mm512_set1_ps(s[b]);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * K + b * 32;
+        const __m512 dot = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), _mm512_mul_ps(hi, _mm512_loadu_ps(xb + 16)));
+        acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
 template <template <int> class Rows, typename... Args>
 void by_rows(int64_t M, int64_t N, int64_t grain, Args... args) {
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -108,6 +132,14 @@ struct Mxfp4Rows {
   static void run(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, float* y,
                   int64_t N, int64_t n0, int64_t n1) {
     mxfp4_rows<M>(xe, xo, K, P, S, n0, n1, y, N);
+  }
+};
+
+template <int M>
+struct Q8Rows {
+  static void run(const float* x, int64_t K, const int8_t* Q, const float* S, float* y, int64_t N, int64_t n0,
+                  int64_t n1) {
+    q8_rows<M>(x, K, Q, S, n0, n1, y, N);
   }
 };
 
@@ -148,6 +180,19 @@ torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, co
   auto y = torch::empty({M, N}, xf.options());
   by_rows<Mxfp4Rows>(M, N, 16, even.data_ptr<float>(), odd.data_ptr<float>(), K, packed.data_ptr<uint8_t>(),
                      scales.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
+  return y;
+}
+
+torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == torch::kChar, "q must be contiguous int8 [N, K]");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(K % 32 == 0 && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / 32 &&
+              scales.scalar_type() == torch::kFloat && scales.is_contiguous(), "scales must be float32 [N, K/32]");
+  const auto xf = rows_input(x, K);
+  const int64_t M = xf.size(0);
+  auto y = torch::empty({M, N}, xf.options());
+  by_rows<Q8Rows>(M, N, 32, xf.data_ptr<float>(), K, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                  y.data_ptr<float>(), N);
   return y;
 }
 
@@ -308,5 +353,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows: fp32 statistics, rounded to x's dtype, times the weight");
   m.def("kda_decode_step", &kda_decode_step, "one fused KDA decode step, in place on the conv window and state");
   m.def("gemv", &gemv, "y = x @ W^T for 1..8 rows, W float32 or bfloat16, fp32 result");
+  m.def("gemv_q8", &gemv_q8, "y = x @ (q * scales per 32)^T for 1..8 rows, fp32 result");
   m.def("gemv_mxfp4", &gemv_mxfp4, "y = x @ dequant(packed, scales)^T for 1..8 rows, fp32 result");
 }

@@ -33,6 +33,8 @@ def forget_gate(f: torch.Tensor, a: torch.Tensor, lower_bound: float | None) -> 
 
 
 class KimiDeltaAttention(nn.Module):
+    int8_weights = ("in_proj", "f_b", "g_b", "o_proj")
+
     def __init__(self, cfg: KimiConfig, layer: int, dtype: torch.dtype, tp: TP = TP(), chunk_size: int = 64):
         super().__init__()
         self.layer, self.eps, self.chunk_size, self.dtype = layer, cfg.rms_norm_eps, chunk_size, dtype

@@ -12,11 +12,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dataclasses import dataclass
+
+from torch import nn
+
 from ..ops.cpu_kernels import MAX_ROWS, kernels
+from ..ops.int8 import dequantize_int8, quantize_int8
 from ..ops.mxfp4 import dequantize_mxfp4
 
 CPU_BF16_ARITHMETIC = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 WIDEN_FROM_ROWS = 4       # below this, reading bf16 weights (half the bytes of fp32) wins
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A projection weight quantized at load (`quantization="int8"`): int8 [..., N, K] and fp32 scales per 32 inputs.
+    Indexing selects along the leading dimensions (stacked experts)."""
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    def __getitem__(self, index: int) -> "Int8Weight":
+        return Int8Weight(self.q[index], self.scales[index])
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 4
+
+
+def quantize_module_weights(model: nn.Module) -> int:
+    """Replace every weight the layers list in `int8_weights` (projections and experts) by an Int8Weight; weights
+    whose input width is not whole blocks of 32 stay as they are. Returns how many were quantized."""
+    count = 0
+    for module in model.modules():
+        for name in getattr(module, "int8_weights", ()):
+            weight = module._parameters.get(name)
+            if weight is None or weight.shape[-1] % 32:
+                continue
+            del module._parameters[name]
+            setattr(module, name, Int8Weight(*quantize_int8(weight)))
+            count += 1
+    return count
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -35,8 +70,13 @@ def _widen(a: torch.Tensor, b: torch.Tensor) -> bool:
             and _rows(a) >= WIDEN_FROM_ROWS)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight) -> torch.Tensor:
     """x @ weight^T."""
+    if isinstance(weight, Int8Weight):
+        k = _decode_kernels(x, weight.q)
+        if k is not None:
+            return k.gemv_q8(x.reshape(-1, x.shape[-1]), weight.q, weight.scales).view(*x.shape[:-1], -1).to(x.dtype)
+        return linear(x, dequantize_int8(weight.q, weight.scales, x.dtype))
     k = _decode_kernels(x, weight) if weight.dtype in (torch.float32, torch.bfloat16) else None
     if k is not None:
         return k.gemv(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1).to(x.dtype)

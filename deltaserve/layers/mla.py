@@ -20,6 +20,8 @@ from .norm import RMSNorm
 
 
 class MLAttention(nn.Module):
+    int8_weights = ("in_proj", "q_b_proj", "o_proj")          # kv_b_proj is absorbed into the attention products
+
     def __init__(self, cfg: KimiConfig, layer: int, dtype: torch.dtype, tp: TP = TP()):
         super().__init__()
         self.layer, self.dtype = layer, dtype

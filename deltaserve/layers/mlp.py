@@ -38,7 +38,18 @@ def gated_activation(name: str, situ_beta: float = 4.0, situ_linear_beta: float 
     return swiglu
 
 
+class Weight(nn.Module):
+    """One checkpoint weight as its own module (embeddings, LM head, residual-mixture queries)."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype, int8: bool = False):
+        super().__init__()
+        self.weight = param(*shape, dtype=dtype)
+        self.int8_weights = ("weight",) if int8 else ()
+
+
 class GatedMLP(nn.Module):
+    int8_weights = ("gate_up", "down")
+
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, act: GatedActivation = swiglu):
         super().__init__()
         self.intermediate, self.act = intermediate, act

@@ -46,6 +46,8 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, cfg: K
 
 
 class MoE(nn.Module):
+    int8_weights = ("w13", "w2", "routed_expert_down_proj", "routed_expert_up_proj")
+
     def __init__(self, cfg: KimiConfig, dtype: torch.dtype, tp: TP = TP()):
         super().__init__()
         self.cfg, self.dtype, self.tp = cfg, dtype, tp

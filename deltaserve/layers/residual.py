@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .mlp import param
+from .mlp import Weight
 from .norm import RMSNorm, rms_normalize
 
 
@@ -21,6 +21,4 @@ def depth_mix(values: list[torch.Tensor], norm: RMSNorm, proj: nn.Module) -> tor
 
 def mix_params(size: int, eps: float, dtype: torch.dtype) -> tuple[RMSNorm, nn.Module]:
     """A mixture's (`*_res_norm`, `*_res_proj`) pair, as the checkpoint names them."""
-    proj = nn.Module()
-    proj.weight = param(1, size, dtype=dtype)
-    return RMSNorm(size, eps, dtype), proj
+    return RMSNorm(size, eps, dtype), Weight(1, size, dtype=dtype)

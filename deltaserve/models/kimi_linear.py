@@ -15,9 +15,9 @@ from torch import nn
 
 from ..distributed import TP
 from ..layers.kda import KimiDeltaAttention
-from ..layers.linear import linear
+from ..layers.linear import Int8Weight, linear
 from ..layers.mla import MLAttention
-from ..layers.mlp import GatedMLP, gated_activation, param
+from ..layers.mlp import GatedMLP, Weight, gated_activation
 from ..layers.moe import MoE
 from ..layers.norm import RMSNorm
 from ..layers.residual import depth_mix, mix_params
@@ -77,8 +77,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: KimiConfig, dtype: torch.dtype, tp: TP, chunk_size: int):
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = param(cfg.vocab_size // tp.size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = Weight(cfg.vocab_size // tp.size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp, chunk_size) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.attn_res_block_size:
@@ -92,8 +91,7 @@ class KimiLinearForCausalLM(nn.Module):
         self.cfg, self.dtype, self.chunk_size, self.tp = cfg, dtype, chunk_size, tp
         self.model = Backbone(cfg, dtype, tp, chunk_size)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = param(cfg.vocab_size // tp.size, cfg.hidden_size, dtype=dtype)
+            self.lm_head = Weight(cfg.vocab_size // tp.size, cfg.hidden_size, dtype=dtype, int8=True)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -135,15 +133,16 @@ class KimiLinearForCausalLM(nn.Module):
         """Weight bytes one decode step of one sequence reads on this rank: every weight, but one embedding row and,
         of the routed experts, the top-k share (the roofline of a memory-bound decode)."""
         cfg = self.cfg
-        routed = {id(p) for m in self.modules() if isinstance(m, MoE) for p in m.routed_expert_weights()}
+        routed = {id(w) for m in self.modules() if isinstance(m, MoE) for w in m.routed_expert_weights()}
         total = 0
-        for p in self.parameters():
-            n = p.numel() * p.element_size()
-            if p is self.model.embed_tokens.weight and not cfg.tie_word_embeddings:
-                n //= p.shape[0]
-            elif id(p) in routed:
-                n = n * cfg.num_experts_per_token // cfg.num_experts
-            total += n
+        for module in self.modules():
+            for w in [*module._parameters.values(), *(v for v in vars(module).values() if isinstance(v, Int8Weight))]:
+                n = w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+                if w is self.model.embed_tokens.weight and not cfg.tie_word_embeddings:
+                    n //= w.shape[0]
+                elif id(w) in routed:
+                    n = n * cfg.num_experts_per_token // cfg.num_experts
+                total += n
         return total
 
 
