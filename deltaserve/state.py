@@ -87,6 +87,7 @@ class StateView:
         """Write per-token values [B, T, C] at each row's position; return (cache [B, L, C], mask [B, 1, T, L])."""
         B, T, _ = values.shape
         cache = self.pool.tensors[layer, name]
+        values = values.to(cache.dtype)
         if max(self.starts) + T > self.pool.max_len:
             raise ValueError(f"sequence of {max(self.starts) + T} tokens exceeds the state's {self.pool.max_len}")
         if B == 1:

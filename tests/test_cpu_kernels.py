@@ -81,3 +81,39 @@ def test_fused_kda_decode_step_equals_the_op_by_op_step(tiny_dir, dtype):
         outputs[fused] = torch.stack(steps)
     tol = 1e-5 if dtype == "float32" else 0.05         # bf16: at most an ulp of a logit near 5 (measured 0.0)
     assert (outputs[True] - outputs[False]).abs().max() <= tol
+
+
+@pytest.mark.parametrize("variant", ["bf16", "int8", "mxfp4", "situ"])
+def test_one_token_experts_kernel_equals_the_op_by_op_loop(variant, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from deltaserve.layers.linear import quantize_module_weights
+    from deltaserve.layers.moe import MoE
+    from deltaserve.models.kimi_linear import TINY_CONFIG, parse_config
+    from deltaserve.ops.mxfp4 import quantize_mxfp4
+    raw = {**TINY_CONFIG, "moe_intermediate_size": 64}
+    if variant == "mxfp4":
+        raw["quantization_config"] = json.loads((Path(__file__).parent.parent.parent / "shared" / "oracles" /
+                                                 "kimi-k3-tiny" / "config.json").read_text())["quantization_config"]
+    if variant == "situ":
+        raw["hidden_act"] = "situ"
+    cfg = parse_config(raw)
+    torch.manual_seed(0)
+    moe = MoE(cfg, torch.bfloat16)
+    for name, p in moe.named_parameters():
+        if p.dtype != torch.uint8:
+            p.copy_(torch.randn_like(p.float()) * 0.2)
+    if variant == "mxfp4":
+        for stacked in ("w13", "w2"):
+            dense = torch.randn(getattr(moe, f"{stacked}_packed").shape[:-1] + (getattr(moe, f"{stacked}_packed")
+                                                                                .shape[-1] * 2,)) * 0.1
+            packed, scales = quantize_mxfp4(dense)
+            getattr(moe, f"{stacked}_packed").copy_(packed)
+            getattr(moe, f"{stacked}_scale").copy_(scales)
+    if variant == "int8":
+        quantize_module_weights(moe)
+    x = torch.randn(1, cfg.hidden_size).bfloat16()
+    fused = moe(x)
+    monkeypatch.setattr("deltaserve.layers.moe.kernels", lambda: None)
+    assert torch.equal(fused, moe(x))

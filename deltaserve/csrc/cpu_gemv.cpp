@@ -29,76 +29,115 @@ inline __m512 load_widened(const uint16_t* w) {
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return bf16_to_float(w); }
 
-template <typename WT, int M>
-void dense_rows(const float* x, int64_t K, const WT* W, int64_t n0, int64_t n1, float* y, int64_t N) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const WT* w = W + n * K;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      const __m512 wv = load_widened(w + k);
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m]);
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = _mm512_reduce_add_ps(acc[m]);
-      for (int64_t j = k; j < K; ++j) s += widen(w[j]) * x[m * K + j];
-      y[m * N + n] = s;
+// R output rows per pass: with few input rows, one accumulator per (row, input row) is a single FMA chain whose
+// latency, not memory, would bound the speed; R independent rows hide it. Each row's sum is the same sequence of
+// FMAs whatever R and M are, so results do not depend on the batch.
+constexpr int rows_per_pass(int M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+
+template <typename WT, int M, int R>
+void dense_block(const float* x, int64_t K, const WT* W, int64_t n, float* y, int64_t N) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const WT* w = W + (n + r) * K + k;
+      _mm_prefetch((const char*)(w + 4 * R * K), _MM_HINT_T0);    // 4R rows ahead: keeps L3 reads in flight
+      const __m512 wv = load_widened(w);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
   }
+  for (int r = 0; r < R; ++r) {
+    const WT* w = W + (n + r) * K;
+    for (int m = 0; m < M; ++m) {
+      float s = _mm512_reduce_add_ps(acc[r][m]);
+      for (int64_t j = k; j < K; ++j) s += widen(w[j]) * x[m * K + j];
+      y[m * N + n + r] = s;
+    }
+  }
+}
+
+template <typename WT, int M>
+void dense_rows(const float* x, int64_t K, const WT* W, int64_t n0, int64_t n1, float* y, int64_t N) {
+  constexpr int R = rows_per_pass(M);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) dense_block<WT, M, R>(x, K, W, n, y, N);
+  for (; n < n1; ++n) dense_block<WT, M, 1>(x, K, W, n, y, N);
+}
+
+// x is given de-interleaved per 32-block: xe holds the even elements, xo the odd ones ([M, K/2] each).
+template <int M, int R>
+void mxfp4_block(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, int64_t n, float* y,
+                 int64_t N) {
+  static const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                  -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  const __m512 table = _mm512_loadu_ps(kE2M1);
+  const __m512i low_nibble = _mm512_set1_epi32(15);
+  const int64_t blocks = K / 32, half = K / 2;
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int r = 0; r < R; ++r) {
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(P + (n + r) * half + b * 16)));
+      const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(codes, low_nibble), table);
+      const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+      const __m512 scale = _mm512_set1_ps(std::ldexp(1.0f, int(S[(n + r) * blocks + b]) - 127));
+      for (int m = 0; m < M; ++m) {
+        const int64_t at = m * half + b * 16;
+        const __m512 dot = _mm512_fmadd_ps(even, _mm512_loadu_ps(xe + at), _mm512_mul_ps(odd, _mm512_loadu_ps(xo + at)));
+        acc[r][m] = _mm512_fmadd_ps(dot, scale, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 // x is given de-interleaved per 32-block: xe holds the even elements, xo the odd ones ([M, K/2] each).
 template <int M>
 void mxfp4_rows(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, int64_t n0,
                 int64_t n1, float* y, int64_t N) {
-  static const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                  -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  const __m512 table = _mm512_loadu_ps(kE2M1);
-  const __m512i low_nibble = _mm512_set1_epi32(15);
-  const int64_t blocks = K / 32, half = K / 2;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* p = P + n * half;
-    const uint8_t* s = S + n * blocks;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + b * 16)));
-      const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(codes, low_nibble), table);
-      const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
-      const __m512 scale = _mm512_set1_ps(std::ldexp(1.0f, int(s[b]) - 127));
+  constexpr int R = rows_per_pass(M);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) mxfp4_block<M, R>(xe, xo, K, P, S, n, y, N);
+  for (; n < n1; ++n) mxfp4_block<M, 1>(xe, xo, K, P, S, n, y, N);
+}
+
+template <int M, int R>
+void q8_block(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t n, float* y, int64_t N) {
+  const int64_t blocks = K / 32;
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = Q + (n + r) * K + b * 32;
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
+      const __m512 scale = _mm512_set1_ps(S[(n + r) * blocks + b]);
       for (int m = 0; m < M; ++m) {
-        const int64_t at = m * half + b * 16;
-        const __m512 dot = _mm512_fmadd_ps(even, _mm512_loadu_ps(xe + at), _mm512_mul_ps(odd, _mm512_loadu_ps(xo + at)));
-        acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
+        const float* xb = x + m * K + b * 32;
+        const __m512 dot = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), _mm512_mul_ps(hi, _mm512_loadu_ps(xb + 16)));
+        acc[r][m] = _mm512_fmadd_ps(dot, scale, acc[r][m]);
       }
     }
-    for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
   }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 // Int8 weights with one fp32 scale per 32 consecutive inputs (llama.cpp's Q8_0 layout, fp32 scales).
 template <int M>
 void q8_rows(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t n0, int64_t n1, float* y,
              int64_t N) {
-  const int64_t blocks = K / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* q = Q + n * K;
-    const float* s = S + n * blocks;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * 32))));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + b * 32 + 16))));
-      const __m512 scale = _mm512_set1_ps(s[b]);
-      for (int m = 0; m < M; ++m) {
-        const float* xb = x + m * K + b * 32;
-        const __m512 dot = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), _mm512_mul_ps(hi, _mm512_loadu_ps(xb + 16)));
-        acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
-  }
+  constexpr int R = rows_per_pass(M);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) q8_block<M, R>(x, K, Q, S, n, y, N);
+  for (; n < n1; ++n) q8_block<M, 1>(x, K, Q, S, n, y, N);
 }
 
 template <template <int> class Rows, typename... Args>
@@ -144,9 +183,17 @@ struct Q8Rows {
 };
 
 torch::Tensor rows_input(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "x must have 1..", kMaxRows, " rows");
-  return x.to(torch::kFloat).contiguous();
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "x must be [..., ", K, "]");
+  const auto rows = x.reshape({-1, K});
+  TORCH_CHECK(rows.size(0) >= 1 && rows.size(0) <= kMaxRows, "x must have 1..", kMaxRows, " rows");
+  return rows.to(torch::kFloat).contiguous();
+}
+
+// y [M, N] fp32 -> x's leading shape and dtype.
+torch::Tensor like_input(const torch::Tensor& y, const torch::Tensor& x) {
+  auto shape = x.sizes().vec();
+  shape.back() = y.size(1);
+  return y.view(shape).to(x.scalar_type());
 }
 
 }  // namespace
@@ -164,7 +211,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& W) {
     TORCH_CHECK(W.scalar_type() == torch::kFloat, "W must be float32 or bfloat16");
     by_rows<Dense<float>::Rows>(M, N, 64, xf.data_ptr<float>(), K, W.data_ptr<float>(), y.data_ptr<float>(), N);
   }
-  return y;
+  return like_input(y, x);
 }
 
 torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
@@ -180,7 +227,7 @@ torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, co
   auto y = torch::empty({M, N}, xf.options());
   by_rows<Mxfp4Rows>(M, N, 16, even.data_ptr<float>(), odd.data_ptr<float>(), K, packed.data_ptr<uint8_t>(),
                      scales.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
-  return y;
+  return like_input(y, x);
 }
 
 torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
@@ -193,7 +240,7 @@ torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torc
   auto y = torch::empty({M, N}, xf.options());
   by_rows<Q8Rows>(M, N, 32, xf.data_ptr<float>(), K, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
                   y.data_ptr<float>(), N);
-  return y;
+  return like_input(y, x);
 }
 
 // One KDA decode step (T = 1) for a batch: causal conv of the new q|k|v inputs over the carried window, SiLU,
@@ -318,6 +365,40 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
   return kda_step_typed<float>(a, proj, conv, taps, f, dt, dec, beta_logit, z, w, S);
 }
 
+// The routed experts of one token (decode at batch 1): for each selected expert e with weight w,
+// out += w * down_e(act(gate_e(h), up_e(h))), experts in the given order, with the same ops and roundings as the
+// op-by-op path (gate/up and down results in h's dtype; SwiGLU as silu(g) * u in h's dtype; SiTU in fp32, rounded
+// once). A stacked weight is (W) dense [E, N, K], (packed, scales) MXFP4 or (q, scales) int8.
+namespace {
+torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t e) {
+  if (w.size() == 1) return gemv(x, w[0][e]);
+  if (w[0].scalar_type() == torch::kByte) return gemv_mxfp4(x, w[0][e], w[1][e]);
+  return gemv_q8(x, w[0][e], w[1][e]);
+}
+}  // namespace
+
+torch::Tensor experts_one_token(const torch::Tensor& h, const std::vector<int64_t>& experts,
+                                const std::vector<double>& weights, const std::vector<torch::Tensor>& w13,
+                                const std::vector<torch::Tensor>& w2, bool situ, double beta, double linear_beta) {
+  TORCH_CHECK(experts.size() == weights.size(), "one weight per expert");
+  auto out = torch::zeros_like(h);
+  for (size_t i = 0; i < experts.size(); ++i) {
+    const auto gate_up = project(h, w13, experts[i]);
+    const int64_t I = gate_up.size(-1) / 2;
+    const auto gate = gate_up.narrow(-1, 0, I), up = gate_up.narrow(-1, I, I);
+    torch::Tensor act;
+    if (situ) {
+      const auto g = gate.to(torch::kFloat), u = up.to(torch::kFloat);
+      act = (beta * torch::tanh(g / beta) * torch::sigmoid(g) * (linear_beta * torch::tanh(u / linear_beta)))
+                .to(gate.scalar_type());
+    } else {
+      act = torch::silu(gate) * up;
+    }
+    out.add_(project(act, w2, experts[i]), weights[i]);
+  }
+  return out;
+}
+
 // RMSNorm of a few rows as the Kimi family computes it: statistics in fp32, normalised values rounded to the input
 // dtype, then multiplied by the weight (in the input dtype, as `weight * x.to(dtype)` does).
 namespace {
@@ -350,9 +431,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("experts_one_token", &experts_one_token, "the routed experts of one token, accumulated in order");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows: fp32 statistics, rounded to x's dtype, times the weight");
   m.def("kda_decode_step", &kda_decode_step, "one fused KDA decode step, in place on the conv window and state");
-  m.def("gemv", &gemv, "y = x @ W^T for 1..8 rows, W float32 or bfloat16, fp32 result");
-  m.def("gemv_q8", &gemv_q8, "y = x @ (q * scales per 32)^T for 1..8 rows, fp32 result");
-  m.def("gemv_mxfp4", &gemv_mxfp4, "y = x @ dequant(packed, scales)^T for 1..8 rows, fp32 result");
+  m.def("gemv", &gemv, "y = x @ W^T for 1..8 rows of x [..., K], W float32 or bfloat16; y in x's dtype");
+  m.def("gemv_q8", &gemv_q8, "y = x @ (q * scales per 32)^T for 1..8 rows; y in x's dtype");
+  m.def("gemv_mxfp4", &gemv_mxfp4, "y = x @ dequant(packed, scales)^T for 1..8 rows; y in x's dtype");
 }

@@ -1,7 +1,7 @@
 """The model's matrix products (projections, experts, attention), each picking the fastest exact way on its device:
 
-- 1..8 rows on a CPU with deltaserve's decode kernels (ops/cpu_kernels.py): one pass over the weights, widened to
-  fp32 in registers, for fp32, bf16 and MXFP4 weights alike;
+- 1..8 rows on a CPU with deltaserve's decode kernels (ops/cpu_kernels.py): one pass over bf16, int8 or MXFP4
+  weights, widened to fp32 in registers (fp32 weights go to MKL, whose GEMV reads them faster);
 - bf16 operands of a larger product on a CPU without bf16 arithmetic (AVX512-BF16 or AMX) are widened to fp32
   first: oneDNN's bf16 GEMM runs several times slower there than fp32 MKL (3.7x at 256 rows on this project's CI
   machine).
@@ -75,11 +75,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight) -> torch.Tensor:
     if isinstance(weight, Int8Weight):
         k = _decode_kernels(x, weight.q)
         if k is not None:
-            return k.gemv_q8(x.reshape(-1, x.shape[-1]), weight.q, weight.scales).view(*x.shape[:-1], -1).to(x.dtype)
+            return k.gemv_q8(x, weight.q, weight.scales)
         return linear(x, dequantize_int8(weight.q, weight.scales, x.dtype))
-    k = _decode_kernels(x, weight) if weight.dtype in (torch.float32, torch.bfloat16) else None
+    k = _decode_kernels(x, weight) if weight.dtype == torch.bfloat16 else None     # fp32: MKL's GEMV is faster
     if k is not None:
-        return k.gemv(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1).to(x.dtype)
+        return k.gemv(x, weight)
     if _widen(x, weight):
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
@@ -90,12 +90,20 @@ def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) ->
     dequantized exactly to x's dtype first."""
     k = _decode_kernels(x, packed)
     if k is not None:
-        return k.gemv_mxfp4(x.reshape(-1, x.shape[-1]), packed, scales).view(*x.shape[:-1], -1).to(x.dtype)
+        return k.gemv_mxfp4(x, packed, scales)
     return linear(x, dequantize_mxfp4(packed, scales, x.dtype))
 
 
+def product_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype to keep operands of attention products in: fp32 for bf16 on a CPU without bf16 arithmetic (values
+    are rounded to bf16 first, so only the cost changes), else the activation dtype."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and not CPU_BF16_ARITHMETIC:
+        return torch.float32
+    return dtype
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b (batched)."""
-    if _widen(a, b):
+    """a @ b (batched), rounded to a's dtype; in fp32 when b is kept in fp32 or bf16 operands need widening."""
+    if a.dtype != b.dtype or _widen(a, b):
         return (a.float() @ b.float()).to(a.dtype)
     return a @ b

@@ -14,7 +14,7 @@ from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..models.spec import StateSpec
 from ..state import StateView
-from .linear import linear, matmul
+from .linear import linear, matmul, product_dtype
 from .mlp import param
 from .norm import RMSNorm
 
@@ -55,13 +55,15 @@ class MLAttention(nn.Module):
         return views
 
     def state_spec(self) -> dict[str, StateSpec]:
-        return {"latent": StateSpec((self.rank + self.rope,), self.dtype, per_token=True)}   # c_kv | k_pe
+        cache = product_dtype(self.dtype, self.kv_b_proj.device)
+        return {"latent": StateSpec((self.rank + self.rope,), cache, per_token=True)}        # c_kv | k_pe
 
     def finalize(self) -> None:
         """After loading: the absorption matrices, split per head and laid out contiguously for matmul."""
         w_kv = self.kv_b_proj.view(self.H, self.nope + self.v_dim, self.rank)
-        self.w_uk = w_kv[:, :self.nope].contiguous()                              # [H, nope, r]
-        self.w_uv_t = w_kv[:, self.nope:].transpose(1, 2).contiguous()            # [H, r, v]
+        dtype = product_dtype(self.dtype, self.kv_b_proj.device)
+        self.w_uk = w_kv[:, :self.nope].to(dtype).contiguous()                              # [H, nope, r]
+        self.w_uv_t = w_kv[:, self.nope:].transpose(1, 2).to(dtype).contiguous()            # [H, r, v]
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape

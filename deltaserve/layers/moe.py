@@ -16,7 +16,8 @@ from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..ops.mxfp4 import BLOCK
 from ..ops.mxfp8 import quantize_dequantize_mxfp8
-from .linear import linear, linear_mxfp4
+from ..ops.cpu_kernels import kernels
+from .linear import Int8Weight, linear, linear_mxfp4
 from .mlp import GatedMLP, gated_activation, param
 from .norm import RMSNorm
 
@@ -97,6 +98,13 @@ class MoE(nn.Module):
         names = ("w13_packed", "w13_scale", "w2_packed", "w2_scale") if self.cfg.experts_mxfp4 else ("w13", "w2")
         return [getattr(self, n) for n in names]
 
+    def _stacked(self, name: str) -> list[torch.Tensor]:
+        """The stacked tensors of one expert projection ("w13" or "w2"): (W), (packed, scales) or (q, scales)."""
+        if self.cfg.experts_mxfp4:
+            return [getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")]
+        weight = getattr(self, name)
+        return [weight.q, weight.scales] if isinstance(weight, Int8Weight) else [weight]
+
     def expert(self, e: int, h: torch.Tensor, qdq) -> torch.Tensor:
         """Expert e on the rows h [n, R] -> [n, R] (MXFP4 weights stay packed; see layers/linear.py)."""
         if self.cfg.experts_mxfp4:
@@ -114,12 +122,20 @@ class MoE(nn.Module):
         by_expert: dict[int, list[int]] = {}
         for slot, e in enumerate(ids.flatten().tolist()):
             by_expert.setdefault(e, []).append(slot)
-        out = torch.zeros_like(h)
         if N == 1:                                     # one token (decode at batch 1): no gathers or scatters
+            order = sorted(by_expert)
             scale = weights.flatten().tolist()
-            for e in sorted(by_expert):
+            fused = kernels() if h.device.type == "cpu" and not self.cfg.expert_input_mxfp8 else None
+            if fused is not None:                      # the same loop as one CPU kernel call
+                return fused.experts_one_token(h, order, [scale[by_expert[e][0]] for e in order],
+                                               self._stacked("w13"), self._stacked("w2"),
+                                               self.cfg.hidden_act == "situ", self.cfg.situ_beta,
+                                               self.cfg.situ_linear_beta)
+            out = torch.zeros_like(h)
+            for e in order:
                 out.add_(self.expert(e, h, qdq), alpha=scale[by_expert[e][0]])
             return out
+        out = torch.zeros_like(h)
         flat_weights = weights.flatten()
         for e in sorted(by_expert):
             slots = torch.tensor(by_expert[e], device=h.device)

@@ -6,6 +6,7 @@ callers then use PyTorch's own ops."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ def kernels() -> ModuleType | None:
     if os.environ.get("DELTASERVE_CPU_KERNELS", "1") == "0" or not torch.cpu._is_avx512_supported():
         return None
     from torch.utils.cpp_extension import load
+    # one build per source version, so installs (and checkouts) of different versions never rebuild over each other
+    name = "deltaserve_cpu_gemv_" + hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
     try:
-        return load("deltaserve_cpu_gemv", [str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+        return load(name, [str(SOURCE)], extra_cflags=FLAGS, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler or headers: serve with PyTorch's ops instead
         print(f"deltaserve: CPU decode kernels unavailable ({type(e).__name__}: {e}); using PyTorch's ops",
               file=sys.stderr)
