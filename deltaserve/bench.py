@@ -30,6 +30,9 @@ def decode_rate(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> f
     params = SamplingParams(max_tokens=steps + batch + 2, temperature=0.0, ignore_eos=True)
     reqs = [engine.add_request(_prompt(prompt_tokens, 100 + i, vocab), params) for i in range(batch)]
     while any(r.status != Status.DECODE for r in reqs):
+        failed = [r for r in reqs if r.status == Status.FINISHED]
+        if failed:                   # e.g. a request failed alone (engine fault isolation): say so, do not spin
+            raise RuntimeError(f"bench request {failed[0].id} ended before decoding: {failed[0].finish_reason}")
         engine.step()
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -34,8 +34,9 @@ class Perplexity:
         return {**asdict(self), "perplexity": self.perplexity, "bits_per_character": self.bits_per_character}
 
 
-def evaluate(llm: Any, text: str) -> Perplexity:
-    """Score `text` with `llm` (a deltaserve.LLM) in windows of its max_model_len tokens."""
+def evaluate(llm: Any, text: str, decode: bool = False) -> Perplexity:
+    """Score `text` with `llm` (a deltaserve.LLM) in windows of its max_model_len tokens. decode: feed the tokens
+    one at a time through the decode path (its kernels and state updates) instead of the prefill path."""
     ids = llm.encode(text)
     if len(ids) < 2:
         raise ValueError(f"perplexity needs a text of at least 2 tokens, got {len(ids)}")
@@ -43,7 +44,8 @@ def evaluate(llm: Any, text: str) -> Perplexity:
     nats = 0.0
     for start in range(0, len(ids) - 1, window - 1):
         chunk = ids[start:start + window]
-        logits = llm.logits(chunk)[:-1]
+        # decode: one token per forward in a private state (the runner's logits at step 1), as decoding runs
+        logits = llm.runner.logits(chunk[:-1], 1) if decode else llm.logits(chunk)[:-1]
         nats += torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
     return Perplexity(nats, len(ids) - 1, len(text), window)
 
