@@ -182,8 +182,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         hosts = frozenset(allowed | LOOPBACK_NAMES | {args.host.lower(), address})
     default = Path(args.model).resolve() == DEFAULT_MODEL.resolve()
     name = args.served_model_name or ("deltaserve-default" if default else Path(args.model).resolve().name)
+    from .sampling import generation_defaults
+    folder = {"auto": args.model, "vllm": None}.get(args.generation_config, args.generation_config)
+    if folder is not None and folder != args.model and not (Path(folder) / "generation_config.json").exists():
+        raise ValueError(f"--generation-config {folder}: there is no generation_config.json in it")
+    defaults = generation_defaults(folder) if folder is not None else {}
     state = ServerState(name, args.max_queued_requests, tuple(args.api_key or ()),
-                        RequestLimits(args.max_request_bytes, args.body_timeout, hosts))
+                        RequestLimits(args.max_request_bytes, args.body_timeout, hosts), args.reasoning_parser,
+                        defaults)
 
     def fatal(e: BaseException) -> None:   # a bad checkpoint or config: say why and stop the whole server
         print(f"deltaserve: error: {e}", file=sys.stderr, flush=True)
@@ -265,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="idle seconds before a kept-alive connection is closed")
     p.add_argument("--max-connections", type=integer(1), default=None,
                    help="open connections beyond this are closed at once (default: 1024, or what ulimit -n allows)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "kimi_k2", "kimi_k3", "none"],
+                   help="how chat output is split into reasoning_content and content (auto: kimi_k3 for XTML "
+                        "prompts, else kimi_k2's <think>...</think>; none: all content)")
+    p.add_argument("--generation-config", type=nonempty, default="auto",
+                   help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): "
+                        "'auto' reads the model's generation_config.json, 'vllm' uses none, or a folder holding one")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt")

@@ -5,10 +5,17 @@ step for every request that is generating. A request owns a state slot from admi
 admission it restores the longest cached snapshot that is a prefix of its prompt (under its cache salt), and it
 leaves snapshots at its prompt boundary and at its end. The engine sees token ids and logits, never layer math.
 
-Failures: whatever happens to one request after the model's forward (sampling, detokenizing, stop strings, its
-snapshots) fails that request alone, with finish_reason "error", and frees its slot; the others go on untouched.
-A failure inside the forward itself propagates: the model updates every row's recurrent state in place, so a
-half-done batch cannot be undone for the rows that were fine, and the caller must treat the model as broken.
+Structured output: a request may carry a grammar matcher (structured.py). Each decode step fills the token masks of
+the constrained rows at once and applies them to copies of those rows only, so unconstrained rows are sampled from
+the model's logits bit for bit, and the logits kept for snapshots are never masked.
+
+Several choices of one prompt (n > 1) are queued together: the first prefills, and the others wait until its
+prompt snapshot is cached, then start from it, so the prompt is computed once.
+
+Failures: whatever happens to one request after the model's forward (masking, sampling, detokenizing, stop
+strings, its snapshots) fails that request alone, with finish_reason "error", and frees its slot; the others go on
+untouched. A failure inside the forward itself propagates: the model updates every row's recurrent state in place,
+so a half-done batch cannot be undone for the rows that were fine, and the caller must treat the model as broken.
 """
 from __future__ import annotations
 
@@ -19,14 +26,18 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from .prefix_cache import PrefixCache
 from .runner import ModelFailure, ModelRunner
-from .sampling import Sampler, SamplingParams, StopStrings
+from .sampling import Sampler, SamplingParams, StopStrings, logprobs_of
+from .structured import Constraint, GrammarCompiler, GrammarMatcher, allocate_bitmask, apply_bitmask_, fill_bitmasks
 from .tokenizer import IncrementalDecoder, Tokenizer
+
+# (token id, its log-probability, [(alternative id, log-probability)] likeliest first)
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 
 
 class Status(Enum):
@@ -37,7 +48,11 @@ class Status(Enum):
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; nothing was changed."""
+    """A request the engine refuses; nothing was changed. `param` names the request field at fault, if one is."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -59,6 +74,10 @@ class Request:
     decoder: IncrementalDecoder | None = None
     stops: StopStrings | None = None
     pending: str = ""                 # decoded text held back while it may still become a stop string
+    grammar: GrammarMatcher | None = None          # structured output: the tokens allowed next
+    logprobs: list[TokenLogprob] = field(default_factory=list)             # of each output token, if asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None               # of each prompt token, if asked
+    followers: list["Request"] = field(default_factory=list)               # other choices waiting for its prefill
     last_logits: torch.Tensor | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -77,6 +96,7 @@ class Update:
     token_ids: list[int]
     text: str
     finished: bool
+    logprobs: list[TokenLogprob] = field(default_factory=list)           # of token_ids, if the request asked
     time: float = field(default_factory=time.perf_counter)    # when the engine produced it
 
 
@@ -101,13 +121,24 @@ class Engine:
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._aborts: set[str] = set()
-        self._lock = threading.Lock()                 # add_request / abort may come from other threads
+        self._lock = threading.RLock()                # add_request / abort may come from other threads
         self._ids = itertools.count()
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._bitmask: torch.Tensor | None = None     # the constrained rows' token masks, reused every step
+        self.prefix_cache_queries = self.prefix_cache_hits = 0      # prompt tokens looked up / found (vLLM's)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, grammar: GrammarMatcher | None = None) -> Request:
         """Queue a request. Raises RequestError, changing nothing, if it cannot be served."""
+        return self.add_requests(prompt, [params], [request_id], cache_salt, [grammar])[0]
+
+    def add_requests(self, prompt: list[int], params: Sequence[SamplingParams],
+                     request_ids: Sequence[str | None] | None = None, cache_salt: str | None = None,
+                     grammars: Sequence[GrammarMatcher | None] | None = None) -> list[Request]:
+        """Queue several choices of one prompt (n > 1): the first prefills it; the others start from its cached
+        snapshot once it is there. Raises RequestError, changing nothing, if any cannot be served."""
         vocab = self.cfg.vocab_size
         if not prompt:
             raise RequestError("the prompt is empty")
@@ -116,18 +147,26 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt)} tokens, but the context is {self.max_model_len}")
         room = self.max_model_len - len(prompt)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise RequestError(f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
-                               f"together {len(prompt) + params.max_tokens}, more than the context of "
-                               f"{self.max_model_len} tokens")
-        request = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, params.max_tokens or room,
-                          Sampler(params, self.device), cache_salt=cache_salt)
-        if self.tokenizer is not None:
-            request.decoder = IncrementalDecoder(self.tokenizer)
-            request.stops = StopStrings(params.stop)
+        requests = []
+        for i, p in enumerate(params):
+            if p.max_tokens is not None and p.max_tokens > room:
+                raise RequestError(f"the prompt has {len(prompt)} tokens and max_tokens is {p.max_tokens}: "
+                                   f"together {len(prompt) + p.max_tokens}, more than the context of "
+                                   f"{self.max_model_len} tokens")
+            for name, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids)):
+                if any(not 0 <= t < vocab for t in ids):
+                    raise RequestError(f"'{name}': token ids must lie in [0, {vocab})", param=name)
+            request_id = request_ids[i] if request_ids and request_ids[i] else f"req-{next(self._ids)}"
+            r = Request(request_id, list(prompt), p, p.max_tokens or room, Sampler(p, self.device, prompt),
+                        cache_salt=cache_salt, grammar=grammars[i] if grammars else None)
+            if self.tokenizer is not None:
+                r.decoder = IncrementalDecoder(self.tokenizer, p.skip_special_tokens)
+                r.stops = StopStrings(p.stop, p.include_stop_str_in_output)
+            requests.append(r)
+        requests[0].followers = requests[1:]
         with self._lock:
-            self.waiting.append(request)
-        return request
+            self.waiting.append(requests[0])
+        return requests
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step and free its slot (a client went away)."""
@@ -136,6 +175,16 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborts)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints for this model's tokenizer (built once: it reads the vocabulary)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured output needs the checkpoint's tokenizer")
+                self._compiler = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, sorted(self.eos_ids))
+            return self._compiler
 
     # ---- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[Update]:
@@ -153,8 +202,14 @@ class Engine:
     def _apply_aborts(self, updates: list[Update]) -> None:
         with self._lock:
             aborts, self._aborts = self._aborts, set()
+            for leader in [*self.waiting, *self.running]:          # choices still waiting for their first's prefill
+                for r in [r for r in leader.followers if r.id in aborts]:
+                    leader.followers.remove(r)
+                    r.status, r.finish_reason = Status.FINISHED, "abort"
+                    updates.append(Update(r, [], "", True))
             for r in [r for r in self.waiting if r.id in aborts]:
                 self.waiting.remove(r)
+                self._release_followers(r)
                 r.status, r.finish_reason = Status.FINISHED, "abort"
                 updates.append(Update(r, [], "", True))
         for r in [r for r in self.running if r.id in aborts]:
@@ -173,7 +228,11 @@ class Engine:
             self._isolated(r, updates, self._start, r, updates)
 
     def _start(self, r: Request, updates: list[Update]) -> None:
+        if r.params.prompt_logprobs is not None:
+            self._score_prompt(r)
         snap = self.cache.match(r.prompt, salt=r.cache_salt)
+        self.prefix_cache_queries += len(r.prompt)
+        self.prefix_cache_hits += snap.length if snap is not None else 0
         if snap is None:
             self.runner.reset(r.slot)
             r.status = Status.PREFILL
@@ -184,7 +243,15 @@ class Engine:
             r.status = Status.PREFILL
         else:                                            # the whole prompt was seen before: sample directly
             r.status, r.prefill_done_at = Status.DECODE, time.perf_counter()
+            self._release_followers(r)
             self._accept(r, snap.logits, updates)
+
+    def _score_prompt(self, r: Request) -> None:
+        """Log-probabilities of each prompt token after the first, from a separate pass over the prompt (the
+        snapshots keep only the last position's logits)."""
+        logits = self.runner.logits(r.prompt, self.prefill_tokens)
+        top = r.params.prompt_logprobs
+        r.prompt_logprobs = [None] + [(t, *logprobs_of(row, t, top)) for t, row in zip(r.prompt[1:], logits)]
 
     def _prefill_chunk(self, r: Request, updates: list[Update]) -> None:
         chunk = r.prompt[r.computed:r.computed + self.prefill_tokens]
@@ -196,7 +263,15 @@ class Engine:
     def _end_prefill(self, r: Request, logits: torch.Tensor, updates: list[Update]) -> None:
         self.cache.insert(r.prompt, self.runner.snapshot(r.slot, r.computed, logits), salt=r.cache_salt)
         r.status, r.prefill_done_at = Status.DECODE, time.perf_counter()
+        self._release_followers(r)
         self._accept(r, logits, updates)
+
+    def _release_followers(self, r: Request) -> None:
+        """The other choices of r's prompt may start: from its snapshot if it is cached, else on their own."""
+        if r.followers:
+            with self._lock:
+                self.waiting.extendleft(reversed(r.followers))
+            r.followers = []
 
     def _decode(self, batch: list[Request], updates: list[Update]) -> None:
         if self.batch_invariant:
@@ -204,10 +279,33 @@ class Engine:
         else:
             logits = self.runner.forward([[r.output[-1]] for r in batch], [r.slot for r in batch],
                                          [r.computed for r in batch])
-        for r, row in zip(batch, logits):
+        masked = self._masked_rows(batch, logits)
+        for i, (r, row) in enumerate(zip(batch, logits)):
             r.computed += 1
             r.last_logits = row
-            self._isolated(r, updates, self._accept, r, row, updates)
+            self._isolated(r, updates, self._accept, r, row, updates, masked.get(i))
+
+    def _masked_rows(self, batch: list[Request], logits: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{row: a masked copy of it} for the rows whose request has an active grammar: all their masks filled at
+        once (on llguidance's threads), then applied to copies. If that fails, each such request masks its own row
+        in _accept, where a failure is its own."""
+        rows = [i for i, r in enumerate(batch) if r.grammar is not None and r.grammar.active]
+        if not rows:
+            return {}
+        try:
+            masked = self._mask([batch[i].grammar for i in rows], logits[rows])
+        except Exception:  # noqa: BLE001 - retried per request, so that a failure is pinned on its request
+            return {}
+        return dict(zip(rows, masked))
+
+    def _mask(self, grammars: list[GrammarMatcher], rows: torch.Tensor) -> torch.Tensor:
+        """A copy of `rows` [k, vocab] in which row i allows only what grammars[i] allows next."""
+        if self._bitmask is None or self._bitmask.shape[0] < len(grammars):
+            self._bitmask = allocate_bitmask(max(self.max_num_seqs, len(grammars)), self.cfg.vocab_size)
+        fill_bitmasks(grammars, self._bitmask)
+        masked = rows.clone()
+        apply_bitmask_(masked, self._bitmask, range(len(grammars)))
+        return masked
 
     # ---- failures ----------------------------------------------------------------------------------------
     def _isolated(self, r: Request, updates: list[Update], work: Callable[..., None], *args: object) -> None:
@@ -225,30 +323,43 @@ class Engine:
             updates.append(Update(r, [], "", True))
 
     # ---- outputs -----------------------------------------------------------------------------------------
-    def _accept(self, r: Request, logits: torch.Tensor, updates: list[Update]) -> None:
-        """Sample a token from `logits`, append it, decode text, and decide whether the request is done."""
-        token = r.sampler(logits)
+    def _accept(self, r: Request, logits: torch.Tensor, updates: list[Update],
+                masked: torch.Tensor | None = None) -> None:
+        """Sample a token from `logits` (`masked`: the same row with the request's grammar mask applied), append
+        it, decode text, and decide whether the request is done."""
+        if masked is None and r.grammar is not None and r.grammar.active:
+            masked = self._mask([r.grammar], logits.unsqueeze(0))[0]
+        token = r.sampler(logits if masked is None else masked)
+        if r.grammar is not None and not r.grammar.accept(token):
+            raise RuntimeError(f"the grammar refused token {token}: {r.grammar.error}")
+        logprobs = []
+        if r.params.logprobs is not None:
+            logprobs = [(token, *logprobs_of(logits, token, r.params.logprobs))]
+            r.logprobs += logprobs
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
         r.output.append(token)
         stop_token = (token in self.eos_ids and not r.params.ignore_eos) or token in r.params.stop_token_ids
+        # the grammar is complete (it ends with an end token: ignore_eos cannot make it go on)
+        grammar_done = not stop_token and r.grammar is not None and r.grammar.is_finished()
         out_of_room = len(r.output) >= r.max_tokens or len(r.prompt) + len(r.output) >= self.max_model_len
+        ends = stop_token or grammar_done or out_of_room
         text, hit_stop = "", False
         if r.decoder is not None:
-            if not stop_token:
+            if not stop_token and not (grammar_done and token in self.eos_ids):
                 r.pending += r.decoder.push(token)
-            if stop_token or out_of_room:
+            if ends:
                 r.pending += r.decoder.flush()
-            text, hit_stop = r.stops.split(r.pending, final=stop_token or out_of_room)
+            text, hit_stop = r.stops.split(r.pending, final=ends)
             r.pending = r.pending[len(text):]
             r.text += text
-        if stop_token or hit_stop:
+        if stop_token or hit_stop or grammar_done:
             r.finish_reason = "stop"
         elif out_of_room:
             r.finish_reason = "length"
         if r.finish_reason is not None:
             self._finish(r)
-        updates.append(Update(r, [token], text, r.finish_reason is not None))
+        updates.append(Update(r, [token], text, r.finish_reason is not None, logprobs))
 
     def _finish(self, r: Request) -> None:
         # The last sampled token was never fed; the state holds tokens[:computed]. Keep it for continuations.
@@ -261,6 +372,7 @@ class Engine:
         r.status, r.finished_at = Status.FINISHED, time.perf_counter()
         self.running.remove(r)
         self.free_slots.append(r.slot)
+        self._release_followers(r)
 
     # ---- helpers -----------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> None:
@@ -270,8 +382,10 @@ class Engine:
 
     def warmup(self) -> None:
         """Run every path a request can take (prefill chunks at position 0 and later, a prompt tail, decode at
-        every batch size up to max_num_seqs, greedy and sampled, snapshot and full and partial restore), then
-        forget the warmup's cache entries. A context too short for some of these runs what fits."""
+        every batch size up to max_num_seqs, greedy and sampled, snapshot and full and partial restore; penalties,
+        logit bias, min-p, log-probabilities of output and prompt; a grammar-constrained request beside a free one,
+        with the grammar compiler built), then forget the warmup's cache entries. A context too short for some of
+        these runs what fits."""
         n = min(2 * self.prefill_tokens + 3, self.max_model_len - 4)     # room for 2 more tokens and 2 outputs
         prompt = [i % self.cfg.vocab_size for i in range(1, n + 1)]
         greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -282,4 +396,14 @@ class Engine:
         many = SamplingParams(max_tokens=min(self.max_num_seqs + 2, self.max_model_len - 1), temperature=0.0,
                               ignore_eos=True)
         self.run([self.add_request([i % self.cfg.vocab_size + 1], many) for i in range(self.max_num_seqs)])
+        short = min(3, self.max_model_len - 1)
+        processed = SamplingParams(max_tokens=short, temperature=0.8, min_p=0.05, presence_penalty=0.5,
+                                   frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={1: 1.0}, logprobs=2,
+                                   prompt_logprobs=2, seed=0, ignore_eos=True)
+        requests = [self.add_request([1, 2], processed)]
+        if self.tokenizer is not None:
+            grammar = self.grammar_compiler.compile(Constraint("json", {"type": "object"}, "warmup"))
+            requests.append(self.add_request([3, 4], SamplingParams(max_tokens=short, temperature=0.0),
+                                             grammar=grammar))
+        self.run(requests)
         self.cache.clear()

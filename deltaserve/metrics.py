@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server: request outcomes, token counts, latency histograms, engine gauges."""
+"""Prometheus metrics of the server: request outcomes, token counts, latency histograms, engine gauges; and the
+main ones again under vLLM's `vllm:` names (with its `model_name` label), so dashboards built for vLLM work."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,10 +23,13 @@ class Histogram:
         self.total += value
         self.n += 1
 
-    def lines(self, name: str) -> list[str]:
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        """`labels`: more labels for every sample, e.g. 'model_name="m"'."""
         counts = self.counts or [0] * len(self.buckets)
-        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.total}", f"{name}_count {self.n}"]
+        extra, only = (labels + ",", f"{{{labels}}}") if labels else ("", "")
+        out = [f'{name}_bucket{{{extra}le="{b}"}} {c}' for b, c in zip(self.buckets, counts)]
+        return out + [f'{name}_bucket{{{extra}le="+Inf"}} {self.n}', f"{name}_sum{only} {self.total}",
+                      f"{name}_count{only} {self.n}"]
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -43,7 +47,7 @@ class Metrics:
     def count(self, outcome: str) -> None:
         self.requests[outcome] = self.requests.get(outcome, 0) + 1
 
-    def render(self, engine: Engine | None) -> str:
+    def render(self, engine: Engine | None, model_name: str = "") -> str:
         lines = ["# TYPE deltaserve_requests_total counter"]
         lines += [f'deltaserve_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())]
         for name, value in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
@@ -61,4 +65,16 @@ class Metrics:
                   "# TYPE deltaserve_prefix_cache_bytes gauge", f"deltaserve_prefix_cache_bytes {cache.bytes if cache else 0}",
                   "# TYPE deltaserve_prefix_cache_entries gauge",
                   f"deltaserve_prefix_cache_entries {cache.entries if cache else 0}"]
+        label = 'model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        queries, hits = (engine.prefix_cache_queries, engine.prefix_cache_hits) if engine else (0, 0)
+        for kind, name, value in (("gauge", "num_requests_running", running),
+                                  ("gauge", "num_requests_waiting", waiting),
+                                  ("counter", "prefix_cache_queries_total", queries),     # prompt tokens looked up
+                                  ("counter", "prefix_cache_hits_total", hits),           # prompt tokens reused
+                                  ("counter", "prompt_tokens_total", self.prompt_tokens),
+                                  ("counter", "generation_tokens_total", self.generation_tokens)):
+            lines += [f"# TYPE vllm:{name} {kind}", f"vllm:{name}{{{label}}} {value}"]
+        for name, histogram in (("time_to_first_token_seconds", self.ttft), ("inter_token_latency_seconds", self.itl),
+                                ("time_per_output_token_seconds", self.itl)):
+            lines += [f"# TYPE vllm:{name} histogram", *histogram.lines(f"vllm:{name}", label)]
         return "\n".join(lines) + "\n"

@@ -19,42 +19,27 @@ from .sampling import SEED_RANGE, SamplingParams
 
 INT32 = (1 << 31) - 1
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_CHOICES = 16          # n, and prompts in one completions request (each prompt gets n choices)
+MAX_PROMPTS = 16
+MAX_LOGPROBS = 20         # OpenAI's top_logprobs limit
 
 # Fields that change what a request produces and that this server does not implement yet. Each is refused (400
 # naming it) unless absent, null, or set to one of the values that mean "off"; never silently ignored. Implementing
 # one is declaring it on the request model below and deleting its line here.
+# A field that one request kind implements (e.g. `echo` on completions) is still refused on the other.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
-    "logit_bias": ({},),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
-    "min_p": (0,),
     "min_tokens": (0,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "prompt_logprobs": (),
     "echo": (False,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
-    "tool_choice": ("auto",),
     "parallel_tool_calls": (True,),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "bad_words": ([],),
     "allowed_token_ids": (),
-    "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
     "truncate_prompt_tokens": (),
     "use_beam_search": (False,),
     "length_penalty": (1,),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
-    "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "reasoning_effort": (),
     "prediction": (),
@@ -64,7 +49,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 
 # What a union field accepts, said once instead of one pydantic error per alternative.
 UNION_RULES = {
-    "prompt": "must be a non-empty string or a non-empty list of token ids (one prompt per request)",
+    "prompt": f"must be a non-empty string, a non-empty list of token ids, or a list of at most {MAX_PROMPTS} of "
+              "either",
     "stop": f"must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters",
     "content": "must be a string, null, or a list of {\"type\": \"text\", \"text\": ...} parts",
 }
@@ -97,6 +83,10 @@ class RequestInvalid(ValueError):
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
+    def problems(self) -> list[tuple[str, str]]:
+        """(field, what is wrong) for values that are valid alone but not together."""
+        return []
+
 
 def _integral(value: Any) -> Any:
     """5.0 -> 5: JSON Schema (and so the published schema) counts an integral number as an integer."""
@@ -110,6 +100,7 @@ Name = Annotated[str, Field(max_length=256)]
 Text = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]          # logit_bias keys: token ids as strings
 
 
 class TextPart(_Strict):
@@ -118,10 +109,66 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: Name
+    arguments: str | dict[str, Any] = Field(description="the arguments as the model generated them (a JSON string)")
+
+
+class ToolCall(_Strict):
+    id: Name = Field(description="as returned, e.g. Kimi's native functions.NAME:IDX; rendered back as sent")
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Strict):
-    """One chat message; other keys (name, tool_calls, tool_call_id, ...) reach the chat template as sent."""
+    """One chat message; other keys (reasoning_content, ...) reach the chat template as sent."""
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=256)] | None = None
+    tool_call_id: Name | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Strict):
+    name: Name | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one of these."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(_Strict):
@@ -143,18 +190,58 @@ class _Request(_Strict):
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
         None, description="reuse only prefixes cached by requests with the same salt")
     user: Name | None = None
+    n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    logit_bias: Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)] | None = (
+        Field(None, description="token id -> bias added to its logit"))
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
 
     @property
     def output_limit(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self) -> SamplingParams:
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """How many alternatives each output token's log-probability comes with; None: no log-probabilities."""
+        return None
+
+    def sampling_params(self, defaults: dict[str, Any] | None = None, choice: int = 0) -> SamplingParams:
+        """The parameters of choice `choice` (of n): `defaults` (the checkpoint's generation_config) fill what the
+        request leaves out; a seeded request gives choice i the seed + i, as vLLM does."""
+        defaults = defaults or {}
+        given = lambda name, fallback: (getattr(self, name) if getattr(self, name, None) is not None
+                                        else defaults.get(name, fallback))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        seed = None if self.seed is None else (self.seed + choice) % (1 << 64)
         return SamplingParams(
-            max_tokens=self.output_limit, stop=stop, stop_token_ids=self.stop_token_ids or [],
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
-            ignore_eos=bool(self.ignore_eos))
+            max_tokens=self.output_limit or defaults.get("max_tokens"), stop=stop,
+            stop_token_ids=self.stop_token_ids or [], temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0), top_k=given("top_k", 0) or 0, seed=seed, ignore_eos=bool(self.ignore_eos),
+            min_p=given("min_p", 0.0), repetition_penalty=given("repetition_penalty", 1.0),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logprobs=self.top_logprobs_count, include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False)
+
+    def constraint_fields(self) -> dict[str, Any]:
+        """The structured-output fields as sent (by their wire names), for structured.constraint_from_request."""
+        return self.model_dump(by_alias=True, exclude_none=True, include={
+            "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+            "guided_grammar"})
 
     @property
     def include_usage(self) -> bool:
@@ -164,25 +251,89 @@ class _Request(_Strict):
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
     max_completion_tokens: Count | None = None
-    tools: Annotated[list[dict[str, Any]], Field(max_length=256)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=256)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"required" and a named function are enforced by constrained decoding')
+    logprobs: bool | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = Field(
+        None, description="more variables for the chat template, e.g. {\"thinking\": false}")
+    add_generation_prompt: bool | None = None
 
     @property
     def output_limit(self) -> int | None:
         """OpenAI's newer name wins; both are validated."""
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
-class CompletionRequest(_Request):
-    prompt: Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1, max_length=1)]
+    def problems(self) -> list[tuple[str, str]]:
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        out = []
+        if self.top_logprobs and not self.logprobs:
+            out.append(("top_logprobs", "needs \"logprobs\": true"))
+        if choice == "required" and not names:
+            out.append(("tool_choice", "\"required\" needs \"tools\""))
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            out.append(("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools "
+                                                     f"({', '.join(names) or 'none given'})"))
+        return out
 
     @property
-    def single_prompt(self) -> str | list[int]:
-        """The prompt, unwrapped from a one-element list."""
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return tool_dicts(self.tools)
+
+
+class CompletionRequest(_Request):
+    prompt: Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string, one list of token ids, or a list of either."""
         prompt = self.prompt
-        return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else prompt
+        return prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
-Req = TypeVar("Req", bound=_Request)
+class TokenizeRequest(_Strict):
+    """vLLM's POST /tokenize: a raw prompt, or the fields of a chat request whose prompt ids are wanted."""
+    model: Name | None = None
+    prompt: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=4096)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=256)] | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+
+    def problems(self) -> list[tuple[str, str]]:
+        if (self.prompt is None) == (self.messages is None):
+            return [("prompt", "send exactly one of \"prompt\" and \"messages\"")]
+        return []
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return tool_dicts(self.tools)
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize."""
+    model: Name | None = None
+    tokens: list[TokenId]
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template sees them: the fields as sent."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+Req = TypeVar("Req", bound=_Strict)
 
 
 def parse(kind: type[Req], body: bytes) -> Req:
@@ -191,6 +342,8 @@ def parse(kind: type[Req], body: bytes) -> Req:
         request = kind.model_validate_json(body)
     except ValidationError as e:
         raise RequestInvalid(*_describe(e.errors()[0])) from None
+    for param, problem in request.problems():
+        raise RequestInvalid(f"'{param}': {problem}", param=param)
     for name, off in NOT_IMPLEMENTED.items():
         value = (request.model_extra or {}).get(name)
         if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off):

@@ -44,6 +44,12 @@ class ReasoningParser:
     def in_reasoning(self) -> bool:
         return self.STATES[self.state][0] == REASONING
 
+    @property
+    def answer_marker(self) -> str | None:
+        """The marker after which the answer starts, when the output starts inside reasoning (a structured-output
+        grammar applies only after it, as vLLM's does); None when the output starts with the answer."""
+        return None
+
     def _run(self, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         while True:
@@ -77,6 +83,10 @@ class KimiK2Reasoning(ReasoningParser):
     def __init__(self, prompt: str):
         super().__init__("reasoning" if prompt.rstrip().endswith(THINK_OPEN) else "start")
 
+    @property
+    def answer_marker(self) -> str | None:
+        return THINK_CLOSE if self.state == "reasoning" else None
+
     def _run(self, final: bool) -> list[dict[str, Any]]:
         if self.state == "start":
             head = self.buffer.lstrip()
@@ -102,6 +112,10 @@ class KimiK3Reasoning(ReasoningParser):
         tail = prompt.rstrip()
         super().__init__("reasoning" if tail.endswith(XTML_THINK_OPEN) else
                          "response" if tail.endswith(XTML_RESPONSE_OPEN) else "start")
+
+    @property
+    def answer_marker(self) -> str | None:
+        return XTML_RESPONSE_OPEN if self.state in ("start", "reasoning") else None
 
 
 REASONING_PARSERS: dict[str, Callable[[str], ReasoningParser]] = {

@@ -13,6 +13,7 @@ import secrets
 import sys
 import threading
 import time
+from importlib.metadata import PackageNotFoundError, version as package_version
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -24,13 +25,19 @@ from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from .chat import ChatTemplateError
 from .chat_page import chat_page
-from .engine import Engine, RequestError, Update
+from .choices import ChatChoice, CompletionChoice, TokenText
+from .engine import Engine, Request as EngineRequest, RequestError, Update
 from .guard import RequestGuard, RequestLimits
 from .metrics import Metrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, RequestInvalid, parse
-from .sampling import SamplingParams
+from .prepare import Group, Job, prepare_chat, prepare_completion, refuse_if_surely_too_long, render_chat
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestInvalid,
+                       TokenizeRequest, parse)
+
+try:
+    VERSION = package_version("deltaserve")
+except PackageNotFoundError:            # run from a source tree that was never installed
+    VERSION = "0.1.0"
 
 # ---- the engine thread -------------------------------------------------------------------------------------
 
@@ -62,17 +69,23 @@ class EngineThread:
         except BaseException as e:  # noqa: BLE001 - the model's forward failed (e.g. a dead rank): cannot go on
             self._on_error(e)
 
-    def submit(self, prompt: list[int], params: SamplingParams, cache_salt: str | None) -> tuple[str, asyncio.Queue]:
-        request_id = secrets.token_hex(12)
+    def submit(self, groups: list[Group], cache_salt: str | None) -> tuple[list[EngineRequest], asyncio.Queue]:
+        """Queue every choice of every prompt, all or none (RequestError); their updates arrive on one queue."""
         queue: asyncio.Queue = asyncio.Queue()
-        self.routes[request_id] = (asyncio.get_running_loop(), queue)
+        requests: list[EngineRequest] = []
         try:
-            self.engine.add_request(prompt, params, request_id, cache_salt)
+            for g in groups:
+                ids = [secrets.token_hex(12) for _ in g.params]
+                for request_id in ids:
+                    self.routes[request_id] = (asyncio.get_running_loop(), queue)
+                requests += self.engine.add_requests(g.prompt, g.params, ids, cache_salt, g.grammars)
         except RequestError:
-            del self.routes[request_id]
+            for request_id in [r for r in self.routes if self.routes[r][1] is queue]:
+                del self.routes[request_id]
+                self.engine.abort(request_id)           # the groups queued before the one refused
             raise
         self.wake.set()
-        return request_id, queue
+        return requests, queue
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -111,6 +124,8 @@ class ServerState:
     max_queued_requests: int = 64
     api_keys: tuple[str, ...] = ()      # several keys: each is a tenant with a prefix cache of its own
     limits: RequestLimits = field(default_factory=RequestLimits)
+    reasoning_parser: str = "auto"      # how chat output is split into reasoning_content and content
+    defaults: dict[str, Any] = field(default_factory=dict)   # sampling defaults (the checkpoint's generation_config)
     llm: Any = None                     # deltaserve.LLM once loaded and warm
     runner: EngineThread | None = None
     metrics: Metrics = field(default_factory=Metrics)
@@ -122,7 +137,8 @@ class ServerState:
         return self.runner is not None and self.runner.ready.is_set()
 
 
-BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -163,7 +179,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics(request: Request) -> Response:
         _tenant(state, request)
         engine = state.llm.engine if state.ready else None
-        return PlainTextResponse(state.metrics.render(engine), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render(engine, state.model_name),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request) -> Response:
@@ -177,17 +194,33 @@ def create_app(state: ServerState) -> FastAPI:
                  "max_model_len": state.llm.max_model_len if state.ready else None}]
         return JSONResponse({"object": "list", "data": data})
 
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        _tenant(state, request)
+        return JSONResponse({"version": VERSION})
+
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         tenant = _admit(state, request)
-        body, prompt = await run_in_threadpool(_prepare_chat, state, await request.body())
-        return await _complete(state, request, tenant, body, prompt, chat=True)
+        job = await run_in_threadpool(_prepare_chat, state, await request.body())
+        return await _complete(state, request, tenant, job)
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         tenant = _admit(state, request)
-        body, prompt = await run_in_threadpool(_prepare_completion, state, await request.body())
-        return await _complete(state, request, tenant, body, prompt, chat=False)
+        job = await run_in_threadpool(_prepare_completion, state, await request.body())
+        return await _complete(state, request, tenant, job)
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize(request: Request) -> Response:
+        _admit(state, request)
+        tokens = await run_in_threadpool(_tokenize, state, await request.body())
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.llm.max_model_len})
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize(request: Request) -> Response:
+        _admit(state, request)
+        return JSONResponse({"prompt": await run_in_threadpool(_detokenize, state, await request.body())})
 
     return app
 
@@ -244,37 +277,40 @@ def _parse(kind: type, state: ServerState, body: bytes) -> Any:
     return request
 
 
-def _prepare_chat(state: ServerState, body: bytes) -> tuple[ChatCompletionRequest, list[int]]:
-    """Parse, render and tokenize (in a worker thread). Special-token text in messages stays plain text."""
-    request = _parse(ChatCompletionRequest, state, body)
-    contents = [m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-                for m in request.messages]
-    _refuse_if_surely_too_long(state, sum(map(len, contents)), "messages")
+def _prepare_chat(state: ServerState, body: bytes) -> Job:
+    """Parse, render, tokenize and compile constraints (in a worker thread)."""
+    return prepare_chat(state.llm, _parse(ChatCompletionRequest, state, body), state.defaults, state.reasoning_parser)
+
+
+def _prepare_completion(state: ServerState, body: bytes) -> Job:
+    """Parse, tokenize and compile constraints (in a worker thread). Text prompts are raw: special-token text in
+    them is special."""
+    return prepare_completion(state.llm, _parse(CompletionRequest, state, body), state.defaults)
+
+
+def _tokenize(state: ServerState, body: bytes) -> list[int]:
+    """vLLM's POST /tokenize: a raw prompt's ids, or exactly the ids a chat request with these fields prefills."""
+    request = _parse(TokenizeRequest, state, body)
+    llm = state.llm
+    if llm.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer", param="prompt")
+    if request.prompt is not None:
+        refuse_if_surely_too_long(llm, len(request.prompt), "prompt")
+        return llm.encode(request.prompt)
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
-    try:
-        prompt = state.llm.template.render_ids(state.llm.tokenizer, messages, True, request.tools)
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), param="messages") from None
-    return request, prompt
+    return render_chat(llm, messages, request.tool_dicts, request.add_generation_prompt is not False,
+                       request.chat_template_kwargs)
 
 
-def _prepare_completion(state: ServerState, body: bytes) -> tuple[CompletionRequest, list[int]]:
-    """Parse and tokenize (in a worker thread). A text prompt is raw: special-token text in it is special."""
-    request = _parse(CompletionRequest, state, body)
-    prompt = request.single_prompt
-    if isinstance(prompt, list):
-        return request, prompt
+def _detokenize(state: ServerState, body: bytes) -> str:
+    """vLLM's POST /detokenize: the text of these ids, special tokens as their text."""
+    request = _parse(DetokenizeRequest, state, body)
+    vocab = state.llm.cfg.vocab_size
+    if any(t >= vocab for t in request.tokens):
+        raise APIError(400, f"'tokens': token ids must lie in [0, {vocab})", param="tokens")
     if state.llm.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
-    _refuse_if_surely_too_long(state, len(prompt), "prompt")
-    return request, state.llm.encode(prompt)
-
-
-def _refuse_if_surely_too_long(state: ServerState, text_chars: int, param: str) -> None:
-    fewest = state.llm.tokenizer.fewest_tokens(text_chars) if state.llm.tokenizer else 0
-    if fewest >= state.llm.max_model_len:
-        raise APIError(400, f"the prompt has at least {fewest} tokens ({text_chars} characters), but the context is "
-                            f"{state.llm.max_model_len}", param=param, code="context_length_exceeded")
+        raise APIError(400, "this model has no tokenizer", param="tokens")
+    return state.llm.tokenizer.decode(request.tokens, skip_special_tokens=False)
 
 
 def _cache_salt(state: ServerState, tenant: int | None, salt: str | None) -> str | None:
@@ -282,109 +318,139 @@ def _cache_salt(state: ServerState, tenant: int | None, salt: str | None) -> str
     return f"key{tenant}:{salt or ''}" if len(state.api_keys) > 1 else salt
 
 
-async def _complete(state: ServerState, request: Request, tenant: int | None,
-                    body: ChatCompletionRequest | CompletionRequest, prompt: list[int], chat: bool) -> Response:
-    params = body.sampling_params()
+async def _complete(state: ServerState, request: Request, tenant: int | None, job: Job) -> Response:
+    body = job.request
+    chat = job.chat_output is not None
     engine = state.llm.engine
     _check_open(state)                           # again: the body was parsed in a worker thread meanwhile
+    if job.choice_count > max(1, state.max_queued_requests):
+        raise APIError(400, f"this request asks for {job.choice_count} choices (n times prompts), more than this "
+                            f"server queues ({state.max_queued_requests}, --max-queued-requests)", param="n")
     if len(engine.waiting) >= state.max_queued_requests:
         state.metrics.count("rejected_overloaded")
         raise APIError(503, f"the server is overloaded: {len(engine.waiting)} requests are already waiting",
                        type_="service_unavailable", code="overloaded")
     try:
-        request_id, queue = state.runner.submit(prompt, params, _cache_salt(state, tenant, body.cache_salt))
+        requests, queue = state.runner.submit(job.groups, _cache_salt(state, tenant, body.cache_salt))
     except RequestError as e:
         state.metrics.count("rejected_invalid")
-        raise APIError(400, str(e), param="messages" if chat else "prompt",
+        raise APIError(400, str(e), param=e.param or ("messages" if chat else "prompt"),
                        code="context_length_exceeded" if "context" in str(e) else None) from None
-    created = int(time.time())
+    response_id = ("chatcmpl-" if chat else "cmpl-") + requests[0].id
+    log = RequestLog(state, request.url.path, sum(len(g.prompt) for g in job.groups), response_id)
+    tokens = TokenText(state.llm.tokenizer)
+    index = iter(range(len(requests)))                 # choices in prompt-major order, as vLLM numbers them
+    choices = {r.id: ChatChoice(next(index), tokens, job.chat_output) if chat else
+               CompletionChoice(next(index), tokens, g.echo, g.prompt)
+               for g, group in zip(job.groups, _split(requests, job.groups)) for r in group}
+    common = {"id": response_id, "created": int(time.time()), "model": state.model_name}
     kind = "chat.completion" if chat else "text_completion"
-    response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
-    log = RequestLog(state, request.url.path, len(prompt), response_id)
-    common = {"id": response_id, "created": created, "model": state.model_name}
 
-    def usage(r: Any) -> dict[str, Any]:
-        return {"prompt_tokens": len(prompt), "completion_tokens": len(r.output),
-                "total_tokens": len(prompt) + len(r.output),
-                "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}}
+    def usage() -> dict[str, Any]:
+        prompt_tokens = sum(len(g.prompt) for g in job.groups)
+        completion = sum(len(r.output) for r in requests)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": _cached(job, requests)}}
 
     if not body.stream:
-        collected = await _collect(state, request, request_id, queue, log)
-        if collected is None:
+        texts = await _collect(state, request, requests, queue, log)
+        if texts is None:
             return Response(status_code=204)               # nobody is listening
-        text, r = collected
-        if r.finish_reason == "error":
-            return log.failed(r).response()
-        log.done(r)
-        choice = {"index": 0, "finish_reason": r.finish_reason, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return JSONResponse({**common, "object": kind, "choices": [choice], "usage": usage(r)})
+        failed = next((r for r in requests if r.finish_reason == "error"), None)
+        if failed is not None:
+            return log.failed(failed).response()
+        log.done(job, requests)
+        out = [choices[r.id].whole(texts[r.id], r) for r in requests]
+        return JSONResponse({**common, "object": kind, "choices": out, "usage": usage()})
 
     def event(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
-        if chat:
-            delta = {"role": "assistant", "content": ""} if first else {"content": delta_text or ""}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return event({**common, "object": "chat.completion.chunk", "choices": [choice]})
-        choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-        return event({**common, "object": "text_completion", "choices": [choice]})
+    def chunk(parts: list[dict[str, Any]]) -> str:
+        return event({**common, "object": "chat.completion.chunk" if chat else "text_completion", "choices": parts})
 
     async def events() -> AsyncIterator[str]:
-        finished = False
+        running = {r.id for r in requests}
+        # each choice opens with its role (chat, at once) or its echoed prompt (completions, with the prompt's
+        # log-probabilities, which the engine computes when it starts the request)
+        unopened = {r.id for r in requests} if not chat else set()
         try:
-            if chat:
-                yield chunk(None, None, first=True)
-            while True:
+            for r in requests if chat else ():
+                yield chunk([choices[r.id].start(r)])
+            while running:
                 update: Update = await queue.get()
                 log.token(update)
-                # one event per token, even while its text is held back (a partial character or a possible
-                # stop string): clients see steady progress, and a closed connection is noticed within a step
+                if update.request.id in unopened:
+                    unopened.discard(update.request.id)
+                    first = choices[update.request.id].start(update.request)
+                    if first is not None:
+                        yield chunk([first])
+                # one event per token, even while its text is held back (a partial character, a possible stop
+                # string or marker): clients see steady progress, and a closed connection is noticed within a step
                 r = update.request
+                if update.finished:
+                    running.discard(r.id)
                 if update.finished and r.finish_reason == "error":
-                    finished = True
+                    for other in running:
+                        state.runner.abort(other)
+                    running.clear()
                     yield event(log.failed(r).body())
                     yield "data: [DONE]\n\n"
                     return
-                yield chunk(update.text, r.finish_reason if update.finished else None)
-                if update.finished:
-                    finished = True
-                    break
-            log.done(r)
+                yield chunk(choices[r.id].update(update.text, update.logprobs, r, update.finished))
+            log.done(job, requests)
             if body.include_usage:
                 yield event({**common, "object": "chat.completion.chunk" if chat else "text_completion",
-                             "choices": [], "usage": usage(r)})
+                             "choices": [], "usage": usage()})
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:          # the client went away: stop generating and free the slot
-                state.runner.abort(request_id)
+            if running:               # the client went away: stop generating and free the slots
+                for request_id in running:
+                    state.runner.abort(request_id)
                 log.disconnected()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _collect(state: ServerState, request: Request, request_id: str, queue: asyncio.Queue,
-                   log: RequestLog) -> tuple[str, Any] | None:
-    """Wait for a non-streamed request's updates: (its text, the finished request), or None if the client left,
-    in which case the request was aborted (within one engine step) and its slot freed."""
+def _split(requests: list[EngineRequest], groups: list[Group]) -> list[list[EngineRequest]]:
+    """The engine requests of each prompt's choices."""
+    out, i = [], 0
+    for g in groups:
+        out.append(requests[i:i + len(g.params)])
+        i += len(g.params)
+    return out
+
+
+def _cached(job: Job, requests: list[EngineRequest]) -> int:
+    """Prompt tokens reused from the prefix cache: each prompt's first choice's (the others reuse its prefill)."""
+    return sum(group[0].num_cached_tokens for group in _split(requests, job.groups))
+
+
+async def _collect(state: ServerState, request: Request, requests: list[EngineRequest], queue: asyncio.Queue,
+                   log: RequestLog) -> dict[str, str] | None:
+    """Wait for a non-streamed request's updates: the text of each choice by request id, or None if the client
+    left, in which case every choice was aborted (within one engine step) and its slot freed."""
+    abort_all = lambda: [state.runner.abort(r.id) for r in requests]
     gone = asyncio.ensure_future(_disconnected(request))
-    gone.add_done_callback(lambda task: task.cancelled() or state.runner.abort(request_id))
-    text, finished = "", False
+    gone.add_done_callback(lambda task: task.cancelled() or abort_all())
+    texts = {r.id: "" for r in requests}
+    running = set(texts)
     try:
-        while not finished:
+        while running:
             update = await queue.get()
             log.token(update)
-            text += update.text
-            finished = update.finished
+            texts[update.request.id] += update.text
+            if update.finished:
+                running.discard(update.request.id)
     finally:
         gone.cancel()
-        if not finished:                     # this task was cancelled (the server is stopping)
-            state.runner.abort(request_id)
+        if running:                          # this task was cancelled (the server is stopping)
+            abort_all()
     if gone.done() and not gone.cancelled():
         log.disconnected()
         return None
-    return text, update.request
+    return texts
 
 
 async def _disconnected(request: Request) -> None:
@@ -422,35 +488,37 @@ class RequestLog:
         self.start = time.perf_counter()
         self.first: float | None = None
         self.last: float | None = None
+        self.tokens = 0                                  # generated by all choices
+        self.last_of: dict[str, float] = {}              # each choice's latest token, for inter-token latency
 
     def token(self, update: Update) -> None:
         """Times come from the engine thread, so bursts read late by the event loop do not distort them."""
         now = update.time
         if not update.token_ids:
             return
+        self.tokens += len(update.token_ids)
         if self.first is None:
             self.first = now
             self.state.metrics.ttft.observe(now - self.start)
-        elif self.last is not None:
-            self.state.metrics.itl.observe(now - self.last)
-        self.last = now
+        previous = self.last_of.get(update.request.id)
+        if previous is not None:
+            self.state.metrics.itl.observe(now - previous)
+        self.last_of[update.request.id] = self.last = now
 
-    def _line(self, r: Any, tail: str) -> str:
-        cached = r.num_cached_tokens
+    def done(self, job: Job, requests: list[EngineRequest]) -> None:
+        """All choices ended: count them and write the line (cached + new prompt tokens, speeds, output)."""
+        m = self.state.metrics
+        m.count("finished" if all(r.finish_reason != "abort" for r in requests) else "aborted")
+        cached, n = _cached(job, requests), sum(len(r.output) for r in requests)
+        m.prompt_tokens += self.prompt_tokens
+        m.generation_tokens += n
+        m.cached_tokens += cached
         new = self.prompt_tokens - cached
         prefill = new / (self.first - self.start) if self.first and self.first > self.start else 0.0
-        n = len(r.output)
-        gen = (n - 1) / (self.last - self.first) if n > 1 and self.last and self.last > self.first else 0.0
-        return (f"{self.path}  --  in: {cached:5d} + {new:5d}  --  prefill: {prefill:6.0f} tok/s  --  "
-                f"gen: {gen:5.0f} tok/s  --  out: {n:5d}  --  total: {time.perf_counter() - self.start:6.2f}s{tail}")
-
-    def done(self, r: Any) -> None:
-        m = self.state.metrics
-        m.count("finished" if r.finish_reason != "abort" else "aborted")
-        m.prompt_tokens += self.prompt_tokens
-        m.generation_tokens += len(r.output)
-        m.cached_tokens += r.num_cached_tokens
-        self.state.log(self._line(r, ""))
+        gen = (self.tokens - 1) / (self.last - self.first) if self.tokens > 1 and self.last > self.first else 0.0
+        self.state.log(f"{self.path}  --  in: {cached:5d} + {new:5d}  --  prefill: {prefill:6.0f} tok/s  --  "
+                       f"gen: {gen:5.0f} tok/s  --  out: {n:5d}  --  "
+                       f"total: {time.perf_counter() - self.start:6.2f}s")
 
     def failed(self, r: Any) -> APIError:
         """The request failed inside the engine (the others went on): log it once, and the error for the client."""

@@ -40,9 +40,34 @@ class StructuredOutputError(ValueError):
 
 @dataclass(frozen=True)
 class Constraint:
-    kind: str            # json | regex | choice | grammar
+    kind: str            # json | regex | choice | grammar | lark
     value: Any           # a JSON schema (dict), a regex, a list of strings, a Lark or GBNF grammar
     param: str           # the request field it came from, for error messages
+
+
+# Kimi's tool-call markers, special tokens of its tokenizer (tool_parser.py reads what they delimit)
+KIMI_TOOL_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                     "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+
+
+def tool_call_constraint(tools: Sequence[dict[str, Any]], name: str | None, tokenizer: Tokenizer) -> Constraint:
+    """tool_choice "required" (`name` None: one or more calls of any of `tools`) or a named function (exactly one
+    call of it), as Kimi writes calls: a section of `<|tool_call_begin|>functions.NAME:IDX
+    <|tool_call_argument_begin|>{arguments}<|tool_call_end|>`, the arguments valid under the function's
+    `parameters` schema, then the end of the output."""
+    missing = [m for m in KIMI_TOOL_MARKERS if tokenizer.token_id(m) is None]
+    if missing:
+        raise StructuredOutputError("tool_choice", f"this model's tokenizer lacks Kimi's tool-call token {missing[0]}")
+    section_begin, section_end, call_begin, argument_begin, call_end = KIMI_TOOL_MARKERS
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    rules = [f"start: {section_begin} call{'' if name else '+'} {section_end}",
+             "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, f in enumerate(functions):
+        schema = {"x-guidance": JSON_OPTIONS, **(f.get("parameters") or {"type": "object"})}
+        rules += [f"call_{i}: {call_begin} {json.dumps('functions.' + f['name'] + ':')} /[0-9]{{1,3}}/ "
+                  f"{argument_begin} arguments_{i} {call_end}",
+                  f"arguments_{i}: %json {json.dumps(schema)}"]
+    return Constraint("lark", "\n".join(rules), "tool_choice")
 
 
 def constraint_from_request(body: dict[str, Any]) -> Constraint | None:

@@ -56,6 +56,10 @@ class Tokenizer:
         # The special block: the named ids and the reserved ones between them (Kimi: 256 ids after the ranks).
         block = range(min(named), max(named) + 1) if named else range(len(ranks), len(ranks) + 256)
         specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in block}
+        # HF semantics: an added token marked "special": false (e.g. <think> in some Kimi releases) is kept by
+        # skip_special_tokens; the reserved ids are special
+        decoder = self.config.get("added_tokens_decoder", {})
+        self._skipped = {i for i in block if decoder.get(str(i), {}).get("special", True)}
         self._enc = tiktoken.Encoding(name=file.parent.name or "kimi", pat_str=KIMI_PAT_STR,
                                       mergeable_ranks=ranks, special_tokens=specials)
         self.special_ids = set(specials.values())
@@ -66,11 +70,13 @@ class Tokenizer:
         self._encode = lambda text: self._enc.encode(text, allowed_special="all")
         self._encode_plain = lambda text: self._enc.encode(text, allowed_special=set(), disallowed_special=())
         self._decode = lambda ids: self._enc.decode(ids)
+        self._token_bytes = self._enc.decode_single_token_bytes
 
     def _init_hf(self, file: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
         self._hf = HFTokenizer.from_file(str(file))
         self.special_ids = {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+        self._skipped = self.special_ids
         self._token_to_id = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items()}
         self._ordinary = range(self._hf.get_vocab_size(with_added_tokens=True))
         self._longest_token = None            # a normalizer may shrink text before it is split: no safe bound
@@ -79,6 +85,7 @@ class Tokenizer:
         plain.encode_special_tokens = True
         self._encode_plain = lambda text: plain.encode(text, add_special_tokens=False).ids
         self._decode = lambda ids: self._hf.decode(ids, skip_special_tokens=False)
+        self._token_bytes = lambda i: self._hf.decode([i], skip_special_tokens=False).encode()
 
     def _find_template(self, root: Path) -> str | None:
         if (root / "chat_template.jinja").exists():
@@ -125,18 +132,26 @@ class Tokenizer:
         return text_chars // self._longest_token if self._longest_token else 0
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """`skip_special_tokens`: drop the special tokens (those the tokenizer config marks special), as HF does."""
         # ids the vocabulary lacks (a random model can sample them) decode to nothing
-        keep = [i for i in ids if (not skip_special_tokens or i not in self.special_ids)
+        keep = [i for i in ids if (not skip_special_tokens or i not in self._skipped)
                 and (i in self._ordinary or i in self.special_ids)]
         return self._decode(keep)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its text); b"" for an id the vocabulary lacks."""
+        if token_id not in self._ordinary and token_id not in self.special_ids:
+            return b""
+        return self._token_bytes(token_id)
 
 
 class IncrementalDecoder:
     """Turns a stream of ids into text pieces. A piece is emitted only once the bytes decode to whole
-    characters, and text is always decoded from a window starting at a clean boundary."""
+    characters, and text is always decoded from a window starting at a clean boundary. With
+    `skip_special_tokens=False`, special tokens come out as their text (tool-call and reasoning markers)."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
         self.ids: list[int] = []
         self.prefix = self.read = 0
 
@@ -148,8 +163,8 @@ class IncrementalDecoder:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip)
+        after = self.tokenizer.decode(self.ids[self.prefix:], self.skip)
         if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
             return ""
         self.prefix, self.read = self.read, len(self.ids)

@@ -125,6 +125,7 @@ def test_warmup_leaves_results_unchanged(tiny_dir):
     cold = LLM(tiny_dir, dtype="float32").generate([ids], GREEDY)[0]
     warm_llm = LLM(tiny_dir, dtype="float32", warmup=True)
     assert warm_llm.engine.cache.entries == 0 and len(warm_llm.engine.free_slots) == warm_llm.engine.max_num_seqs
+    assert warm_llm.engine._compiler is not None             # the grammar path was warmed too
     assert warm_llm.generate([ids], GREEDY)[0].token_ids == cold.token_ids
 
 
@@ -199,3 +200,128 @@ def test_batch_invariant_bf16_greedy_tokens_equal_each_alone(tiny_dir, one_torch
         alone.append(llm.generate([p], params)[0].token_ids)
     llm.engine.cache.clear()
     assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+
+
+# ---- the API's sampling features, in the engine ------------------------------------------------------------
+
+def penalized(logits, prompt, output, params):
+    """vLLM's formula, written out: logit_bias, then the repetition penalty on prompt and output tokens, then the
+    frequency and presence penalties on output tokens."""
+    x = logits.double().clone()
+    for token, bias in params.logit_bias.items():
+        x[token] += bias
+    for token in set(prompt) | set(output):
+        x[token] = x[token] / params.repetition_penalty if x[token] > 0 else x[token] * params.repetition_penalty
+    for token in set(output):
+        x[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return x
+
+
+def test_penalties_and_logit_bias_follow_the_formula_at_every_step(llm, monkeypatch, one_torch_thread):
+    """Greedy generation with every penalty: each token is the argmax of the formula applied to the logits the
+    engine gave the sampler (recorded), with the history up to that step."""
+    from deltaserve.sampling import Sampler
+    seen = []
+    real = Sampler.__call__
+    monkeypatch.setattr(Sampler, "__call__", lambda self, logits: seen.append(logits.clone()) or real(self, logits))
+    ids = prompt(30, seed=50)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.4,
+                            frequency_penalty=0.6, presence_penalty=0.3, logit_bias={ids[3]: 2.5, 7: -1.0})
+    out = llm.generate([ids], params)[0].token_ids
+    unpenalized = llm.generate([ids], GREEDY)[0].token_ids
+    assert out != unpenalized[:len(out)]                     # the penalties change this generation
+    assert len(seen) == 24 + 12
+    for step, (logits, token) in enumerate(zip(seen, out)):
+        assert token == int(penalized(logits, ids, out[:step], params).argmax())
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
+    from deltaserve.sampling import Sampler
+    logits = torch.tensor([3.0, 2.0, 0.0, -1.0, 2.9])
+    sampler = Sampler(SamplingParams(temperature=1.0, min_p=0.3, seed=1), prompt=[])
+    probs = logits.softmax(-1)
+    allowed = {i for i in range(5) if probs[i] >= 0.3 * probs.max()}
+    assert allowed == {0, 1, 4} and {sampler(logits) for _ in range(200)} == allowed
+
+
+def test_logprobs_are_the_log_softmax_of_the_models_logits(llm, one_torch_thread):
+    """Output tokens' and prompt tokens' log-probabilities equal log_softmax of LLM.logits at those positions."""
+    ids = prompt(60, seed=51)
+    r = llm.engine.add_request(ids, SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True,
+                                                   logprobs=4, prompt_logprobs=2))
+    llm.engine.run([r])
+    reference = torch.log_softmax(llm.logits(ids + r.output).double(), -1)
+    for position, (token, logprob, top) in enumerate(r.logprobs, start=len(ids) - 1):
+        assert token == (ids + r.output)[position + 1] and abs(logprob - reference[position, token]) <= 1e-5
+        expected = reference[position].topk(4)
+        assert [t for t, _ in top] == expected.indices.tolist()
+        assert max(abs(lp - v) for (_, lp), v in zip(top, expected.values.tolist())) <= 1e-5
+    assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(ids)
+    for position, (token, logprob, top) in enumerate(r.prompt_logprobs[1:]):
+        assert token == ids[position + 1] and abs(logprob - reference[position, token]) <= 1e-5 and len(top) == 2
+
+
+def test_choices_of_one_prompt_prefill_it_once(llm, one_torch_thread):
+    """n > 1: the first choice prefills the prompt; the others start from its cached snapshot."""
+    llm.engine.cache.clear()
+    ids = prompt(150, seed=52)
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    hits = llm.engine.prefix_cache_hits
+    requests = llm.engine.add_requests(ids, params)
+    llm.engine.run(requests)
+    assert [r.num_cached_tokens for r in requests] == [0, 150, 150]
+    assert llm.engine.prefix_cache_hits - hits == 300
+    assert len({tuple(r.output) for r in requests}) == 3            # each choice samples with its own seed
+
+
+def test_aborting_a_waiting_choice_leaves_its_siblings_running(llm, one_torch_thread):
+    ids = prompt(80, seed=53)
+    requests = llm.engine.add_requests(ids, [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * 3)
+    llm.engine.abort(requests[1].id)
+    llm.engine.run(requests)
+    assert [r.finish_reason for r in requests] == ["length", "abort", "length"]
+    assert not llm.engine.running and len(llm.engine.free_slots) == llm.engine.max_num_seqs
+
+
+def test_a_grammar_masks_its_own_row_only_and_never_the_cached_logits(tiny_dir, one_torch_thread):
+    """A json_schema request batched with free ones: its output validates, theirs are token for token what they
+    are alone, and the snapshots it leaves hold the model's logits, not masked ones."""
+    import json
+
+    import jsonschema
+
+    from deltaserve.structured import Constraint
+    llm = LLM(tiny_dir, dtype="float32", prefill_tokens=64)
+    free = [prompt(40 + 10 * i, seed=60 + i) for i in range(3)]
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in free]
+    llm.engine.cache.clear()
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    grammar = llm.engine.grammar_compiler.compile(Constraint("json", schema, "response_format"))
+    constrained_prompt = prompt(50, seed=70)
+    constrained = llm.engine.add_request(constrained_prompt, SamplingParams(max_tokens=400, temperature=1.0,
+                                                                          seed=5), grammar=grammar)
+    requests = [llm.engine.add_request(p, GREEDY) for p in free]
+    llm.engine.run([constrained, *requests])
+    assert [r.output for r in requests] == alone
+    assert constrained.finish_reason == "stop"
+    jsonschema.validate(json.loads(constrained.text), schema)
+    at_prompt = llm.engine.cache.match(constrained_prompt).logits
+    at_end = llm.engine.cache.match(constrained.tokens).logits          # masked logits would hold -inf
+    llm.engine.cache.clear()
+    llm.generate([constrained_prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    assert torch.equal(at_prompt, llm.engine.cache.match(constrained_prompt).logits) and at_end.isfinite().all()
+
+
+def test_stop_strings_can_be_kept_and_special_tokens_shown(llm, one_torch_thread):
+    ids = prompt(40, seed=15)
+    free = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    stop = free.text[4:7]
+    kept = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, stop=[stop],
+                                              include_stop_str_in_output=True))[0]
+    assert kept.text == free.text[:free.text.index(stop) + len(stop)]
+    special = llm.tokenizer.token_id("<|tool_call_begin|>")
+    biased = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logit_bias={special: 100.0})
+    assert llm.generate([ids], biased)[0].text == ""
+    shown = llm.generate([ids], SamplingParams(**{**biased.__dict__, "skip_special_tokens": False}))[0]
+    assert shown.text == "<|tool_call_begin|>" * 2

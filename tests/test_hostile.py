@@ -114,8 +114,7 @@ def test_largest_accepted_seed_is_served(server):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("logit_bias", {"5": 10}), ("frequency_penalty", 0.5), ("presence_penalty", -1), ("suffix", "end"),
-    ("best_of", 2), ("n", 3), ("min_p", 0.1), ("logprobs", 2), ("echo", True),
+    ("suffix", "end"), ("best_of", 2), ("min_tokens", 3), ("prompt_logprobs", 1), ("use_beam_search", True),
 ])
 def test_parameters_not_implemented_are_refused_not_ignored(server, field, value):
     error = error_of(post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, field: value}), 400)
@@ -125,6 +124,18 @@ def test_parameters_not_implemented_are_refused_not_ignored(server, field, value
 def test_their_neutral_values_are_accepted(server):
     neutral = {"logit_bias": {}, "frequency_penalty": 0, "presence_penalty": 0.0, "n": 1, "best_of": None}
     assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **neutral}).status_code == 200
+
+
+def test_the_sampling_fields_once_refused_are_honoured(server, tok):
+    """Issue 12 found these ignored; they were refused until implemented, and now they change the output."""
+    forced = tok.encode(" zebra")[-1]
+    r = post(server, "/v1/completions", {**NORMAL, "logit_bias": {str(forced): 100}, "logprobs": 1, "n": 2})
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == [tok.decode([forced] * NORMAL["max_tokens"])] * 2
+    assert choices[0]["logprobs"]["tokens"] == [tok.decode([forced])] * NORMAL["max_tokens"]
+    text = lambda extra: post(server, "/v1/completions", {**NORMAL, "max_tokens": 24, **extra}).json()["choices"][0][
+        "text"]
+    assert text({"frequency_penalty": 2, "presence_penalty": 2}) != text({})      # its 24 greedy tokens repeat some
 
 
 def test_an_invalid_max_tokens_is_refused_beside_a_valid_max_completion_tokens(server):

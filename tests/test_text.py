@@ -106,3 +106,62 @@ def test_encode_keeps_special_tokens_for_raw_prompts(tok):
     assert tok.encode("a<|im_end|>b").count(482) == 1
     assert 482 not in tok.encode_plain("a<|im_end|>b")
     assert tok.decode(tok.encode_plain("a<|im_end|>b")) == "a<|im_end|>b"
+
+
+def test_tokens_marked_not_special_survive_skip_special_tokens(tmp_path):
+    """HF semantics: an added token with "special": false (as <think> is in some Kimi releases) is kept by
+    skip_special_tokens, so the reasoning parser sees it; keeping all specials shows the markers too."""
+    import json
+
+    from deltaserve.tiny import write_tokenizer
+    write_tokenizer(tmp_path, 512)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    think = next(i for i, t in config["added_tokens_decoder"].items() if t["content"] == "[EOT]")
+    config["added_tokens_decoder"][think]["special"] = False
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(tmp_path)
+    ids = [int(think)] + tok.encode("a") + [tok.token_id("<|im_end|>")]
+    assert tok.decode(ids) == "[EOT]a" and tok.decode(ids, skip_special_tokens=False) == "[EOT]a<|im_end|>"
+    dec = IncrementalDecoder(tok, skip_special_tokens=False)
+    assert "".join(dec.push(i) for i in ids) + dec.flush() == "[EOT]a<|im_end|>"
+    assert tok.token_bytes(ids[1]) == b"a" and tok.token_bytes(10 ** 6) == b""
+
+
+def test_tojson_takes_transformers_arguments_and_kwargs_reach_the_template():
+    import json
+    value = {"b": [1, 2], "a": "é"}
+    template = ChatTemplate("{{ v | tojson(separators=(',', ':'), sort_keys=true) }}|{{ v | tojson(indent=2) }}|"
+                            "{{ v | tojson(ensure_ascii=true) }}")
+    rendered = template.render([{"role": "user", "content": "x"}], template_kwargs={"v": value})
+    assert rendered == "|".join([json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False),
+                                 json.dumps(value, indent=2, ensure_ascii=False), json.dumps(value)])
+    with pytest.raises(ChatTemplateError, match="chat_template_kwargs: 'messages' is set by the request"):
+        template.render([{"role": "user", "content": "x"}], template_kwargs={"messages": []})
+
+
+def test_tool_declarations_are_compact_with_sorted_keys(tok):
+    tools = [{"type": "function", "function": {"parameters": {"type": "object"}, "name": "f"}}]
+    rendered = ChatTemplate(None).render([{"role": "user", "content": "x"}], tools=tools)
+    assert rendered.startswith('<|im_system|>tool_declare<|im_middle|>[{"function":{"name":"f","parameters":'
+                               '{"type":"object"}},"type":"function"}]<|im_end|>')
+
+
+def test_a_stop_string_can_be_kept_in_the_output():
+    assert StopStrings(["END", "ENDX"], include=True).split("a ENDX b", final=False) == ("a ENDX", True)
+    assert StopStrings(["END"]).split("a END b", final=False) == ("a ", True)
+
+
+def test_generation_config_gives_request_defaults(tmp_path):
+    from deltaserve.protocol import CompletionRequest, parse
+    from deltaserve.sampling import generation_defaults
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 77, "eos_token_id": 3, "do_sample": true}')
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 77}
+    request = parse(CompletionRequest, b'{"prompt": "x", "top_p": 0.5, "seed": 7, "n": 2}')
+    first, second = request.sampling_params(defaults, 0), request.sampling_params(defaults, 1)
+    assert (first.temperature, first.top_p, first.max_tokens, first.seed, second.seed) == (0.6, 0.5, 77, 7, 8)
+    assert generation_defaults(tmp_path / "nowhere") == {}
+    (tmp_path / "generation_config.json").write_text('{"top_p": 0}')
+    with pytest.raises(ValueError, match="top_p"):
+        generation_defaults(tmp_path)
