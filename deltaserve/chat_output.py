@@ -24,10 +24,6 @@ class ChatOutputParser:
         """The deltas still held back, once generation has ended."""
         return self._route(self.reasoning.finish(), final=True)
 
-    def finish_reason(self, reason: str) -> str:
-        """OpenAI's: "tool_calls" when the model stopped by itself after calling tools."""
-        return "tool_calls" if reason == "stop" and self.tool_calls else reason
-
     def _route(self, deltas: list[dict[str, Any]], final: bool) -> list[dict[str, Any]]:
         if self.tools is None:
             return deltas
@@ -38,6 +34,24 @@ class ChatOutputParser:
             out += self.tools.finish()
         self.tool_calls += sum(1 for d in out for call in d.get("tool_calls", ()) if "id" in call)
         return out
+
+
+def one_delta(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The deltas of one stream chunk as a single delta, since a chunk carries each choice once: text
+    concatenated per field, a call's argument fragments joined to its entry."""
+    out: dict[str, Any] = {}
+    for d in deltas:
+        for key, value in d.items():
+            if key != "tool_calls":
+                out[key] = out.get(key, "") + value
+                continue
+            calls = out.setdefault("tool_calls", [])
+            for part in value:
+                if calls and "id" not in part and calls[-1]["index"] == part["index"]:
+                    calls[-1]["function"]["arguments"] += part["function"].get("arguments", "")
+                else:
+                    calls.append({**part, "function": dict(part["function"])})
+    return out
 
 
 def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -63,6 +77,6 @@ def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
 
 def parse_chat_output(text: str, reasoning: ReasoningParser | None = None, tools: bool = True) -> dict[str, Any]:
     """The assistant message of a whole generated text (a non-stream response); calls whose arguments are not
-    JSON are returned as content. Its finish_reason is "tool_calls" when it has tool_calls and generation stopped."""
+    JSON are returned as content."""
     parser = ChatOutputParser(reasoning, ToolCallParser(validate_arguments=True) if tools else None)
     return merge_deltas(parser.feed(text) + parser.finish())

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .chat_output import ChatOutputParser, parse_chat_output
-from .engine import Request, TokenLogprob
+from .chat_output import ChatOutputParser, one_delta, parse_chat_output
+from .engine import Request
 from .reasoning import ReasoningParser, make_reasoning_parser
+from .sampling import TokenLogprob
 from .tokenizer import Tokenizer
 from .tool_parser import ToolCallParser
 
@@ -23,6 +24,7 @@ class ChatOutput:
     prompt_tail: str                      # the end of the rendered prompt, which decides where the output starts
     template_kwargs: dict[str, Any]       # the request's chat_template_kwargs (thinking on or off)
     tools: bool                           # the request has tools and tool_choice is not "none"
+    named_tool: bool = False              # tool_choice names the function to call
 
     def reasoning_parser(self) -> ReasoningParser:
         return make_reasoning_parser(self.reasoning, self.prompt_tail, self.template_kwargs)
@@ -81,8 +83,10 @@ class TokenText:
 class CompletionChoice:
     """A completions choice: its text (after the echoed prompt) and legacy log-probabilities."""
 
-    def __init__(self, index: int, tokens: TokenText, echo: str | None, prompt: list[int]):
-        self.index, self.tokens, self.echo, self.prompt = index, tokens, echo, prompt
+    def __init__(self, index: int, tokens: TokenText, echo: str | None, prompt: list[int], scorer: Request):
+        """`scorer`: the request of this prompt's choices that scores the prompt (the first; the others start from
+        its snapshot)."""
+        self.index, self.tokens, self.echo, self.prompt, self.scorer = index, tokens, echo, prompt, scorer
         self.offset = 0                            # the next token's text_offset
 
     def start(self, r: Request) -> dict[str, Any] | None:
@@ -94,7 +98,7 @@ class CompletionChoice:
     def _prompt_entries(self, r: Request) -> list[tuple[TokenLogprob | None, int]] | None:
         if r.params.logprobs is None:
             return None
-        scored = r.prompt_logprobs or [None] * len(self.prompt)
+        scored = self.scorer.prompt_logprobs or [None] * len(self.prompt)
         return list(zip(scored, self.prompt))
 
     def update(self, text: str, logprobs: list[TokenLogprob], r: Request, finished: bool) -> list[dict[str, Any]]:
@@ -134,20 +138,24 @@ class ChatChoice:
                 "finish_reason": None}
 
     def update(self, text: str, logprobs: list[TokenLogprob], r: Request, finished: bool) -> list[dict[str, Any]]:
-        """The stream chunks' choices for one engine update: one per delta the parser gives (at least one, so each
-        token shows progress), the log-probabilities on the first, finish_reason on the last when it ends."""
-        deltas = self.parser.feed(text) + (self.parser.finish() if finished else [])
-        choices = [{"index": self.index, "delta": d, "logprobs": None, "finish_reason": None}
-                   for d in deltas or [{"content": ""}]]
+        """The stream chunk's choice for one engine update: what the parser releases as one delta (possibly empty:
+        each token shows progress), with its log-probabilities, and finish_reason when it ends."""
+        delta = one_delta(self.parser.feed(text) + (self.parser.finish() if finished else [])) or {"content": ""}
+        choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
         if r.params.logprobs is not None:
-            choices[0]["logprobs"] = {"content": self.tokens.chat(logprobs)}
+            choice["logprobs"] = {"content": self.tokens.chat(logprobs)}
         if finished:
-            choices[-1]["finish_reason"] = self.parser.finish_reason(r.finish_reason)
-        return choices
+            choice["finish_reason"] = self.finish_reason(r.finish_reason, self.parser.tool_calls > 0)
+        return [choice]
+
+    def finish_reason(self, reason: str, called: bool) -> str:
+        """OpenAI's: "tool_calls" when the model stopped by itself after calling tools, unless the call was forced
+        by name (then "stop", as OpenAI answers)."""
+        return "tool_calls" if reason == "stop" and called and not self.output.named_tool else reason
 
     def whole(self, text: str, r: Request) -> dict[str, Any]:
         """The non-streamed choice; a tool call whose arguments are not JSON is returned as content."""
         message = parse_chat_output(text, self.output.reasoning_parser(), self.output.tools)
         logprobs = {"content": self.tokens.chat(r.logprobs)} if r.params.logprobs is not None else None
-        finish = "tool_calls" if r.finish_reason == "stop" and message.get("tool_calls") else r.finish_reason
-        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": self.index, "message": message, "logprobs": logprobs,
+                "finish_reason": self.finish_reason(r.finish_reason, bool(message.get("tool_calls")))}

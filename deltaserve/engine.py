@@ -32,12 +32,11 @@ import torch
 
 from .prefix_cache import PrefixCache
 from .runner import ModelFailure, ModelRunner
-from .sampling import Sampler, SamplingParams, StopStrings, logprobs_of
+from .sampling import Sampler, SamplingParams, StopStrings, TokenLogprob, token_logprobs
 from .structured import Constraint, GrammarCompiler, GrammarMatcher, allocate_bitmask, apply_bitmask_, fill_bitmasks
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 # (token id, its log-probability, [(alternative id, log-probability)] likeliest first)
-TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 
 
 class Status(Enum):
@@ -139,6 +138,12 @@ class Engine:
                      grammars: Sequence[GrammarMatcher | None] | None = None) -> list[Request]:
         """Queue several choices of one prompt (n > 1): the first prefills it; the others start from its cached
         snapshot once it is there. Raises RequestError, changing nothing, if any cannot be served."""
+        return self.queue(self.make_requests(prompt, params, request_ids, cache_salt, grammars))
+
+    def make_requests(self, prompt: list[int], params: Sequence[SamplingParams],
+                      request_ids: Sequence[str | None] | None = None, cache_salt: str | None = None,
+                      grammars: Sequence[GrammarMatcher | None] | None = None) -> list[Request]:
+        """The requests of add_requests, checked but not queued (RequestError if any cannot be served)."""
         vocab = self.cfg.vocab_size
         if not prompt:
             raise RequestError("the prompt is empty")
@@ -163,10 +168,14 @@ class Engine:
                 r.decoder = IncrementalDecoder(self.tokenizer, p.skip_special_tokens)
                 r.stops = StopStrings(p.stop, p.include_stop_str_in_output)
             requests.append(r)
-        requests[0].followers = requests[1:]
-        with self._lock:
-            self.waiting.append(requests[0])
         return requests
+
+    def queue(self, choices: list[Request]) -> list[Request]:
+        """Queue the choices of one prompt (from make_requests): the first prefills; the others follow it."""
+        choices[0].followers = choices[1:]
+        with self._lock:
+            self.waiting.append(choices[0])
+        return choices
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step and free its slot (a client went away)."""
@@ -228,14 +237,16 @@ class Engine:
             self._isolated(r, updates, self._start, r, updates)
 
     def _start(self, r: Request, updates: list[Update]) -> None:
-        if r.params.prompt_logprobs is not None:
-            self._score_prompt(r)
-        snap = self.cache.match(r.prompt, salt=r.cache_salt)
+        # prompt log-probabilities are scored chunk by chunk as the prompt is prefilled, so such a request starts
+        # from scratch (as in vLLM): a snapshot keeps only its last position's logits
+        scored = r.params.prompt_logprobs is not None
+        snap = None if scored else self.cache.match(r.prompt, salt=r.cache_salt)
         self.prefix_cache_queries += len(r.prompt)
         self.prefix_cache_hits += snap.length if snap is not None else 0
         if snap is None:
             self.runner.reset(r.slot)
             r.status = Status.PREFILL
+            r.prompt_logprobs = [None] if scored else None          # the first token has no context
             return
         self.runner.restore(r.slot, snap)
         r.computed = r.num_cached_tokens = snap.length
@@ -246,16 +257,15 @@ class Engine:
             self._release_followers(r)
             self._accept(r, snap.logits, updates)
 
-    def _score_prompt(self, r: Request) -> None:
-        """Log-probabilities of each prompt token after the first, from a separate pass over the prompt (the
-        snapshots keep only the last position's logits)."""
-        logits = self.runner.logits(r.prompt, self.prefill_tokens)
-        top = r.params.prompt_logprobs
-        r.prompt_logprobs = [None] + [(t, *logprobs_of(row, t, top)) for t, row in zip(r.prompt[1:], logits)]
-
     def _prefill_chunk(self, r: Request, updates: list[Update]) -> None:
         chunk = r.prompt[r.computed:r.computed + self.prefill_tokens]
-        logits = self.runner.forward([chunk], [r.slot], [r.computed])[0]
+        scored = r.prompt_logprobs is not None
+        logits = self.runner.forward([chunk], [r.slot], [r.computed], last_only=not scored)[0]
+        if scored:              # each position's logits score the next prompt token
+            following = r.prompt[r.computed + 1:r.computed + 1 + len(chunk)]
+            if following:
+                r.prompt_logprobs += token_logprobs(logits[:len(following)], following, r.params.prompt_logprobs)
+            logits = logits[-1]
         r.computed += len(chunk)
         if r.computed == len(r.prompt):
             self._isolated(r, updates, self._end_prefill, r, logits, updates)
@@ -289,7 +299,7 @@ class Engine:
         """{row: a masked copy of it} for the rows whose request has an active grammar: all their masks filled at
         once (on llguidance's threads), then applied to copies. If that fails, each such request masks its own row
         in _accept, where a failure is its own."""
-        rows = [i for i, r in enumerate(batch) if r.grammar is not None and r.grammar.active]
+        rows = [i for i, r in enumerate(batch) if r.grammar is not None and r.grammar.constrains]
         if not rows:
             return {}
         try:
@@ -327,14 +337,14 @@ class Engine:
                 masked: torch.Tensor | None = None) -> None:
         """Sample a token from `logits` (`masked`: the same row with the request's grammar mask applied), append
         it, decode text, and decide whether the request is done."""
-        if masked is None and r.grammar is not None and r.grammar.active:
+        if masked is None and r.grammar is not None and r.grammar.constrains:
             masked = self._mask([r.grammar], logits.unsqueeze(0))[0]
         token = r.sampler(logits if masked is None else masked)
         if r.grammar is not None and not r.grammar.accept(token):
             raise RuntimeError(f"the grammar refused token {token}: {r.grammar.error}")
         logprobs = []
         if r.params.logprobs is not None:
-            logprobs = [(token, *logprobs_of(logits, token, r.params.logprobs))]
+            logprobs = token_logprobs(logits[None], [token], r.params.logprobs)
             r.logprobs += logprobs
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()

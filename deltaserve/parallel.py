@@ -175,9 +175,10 @@ class TPRunner(ModelRunner):
             self.workers.check(wait=2.0)
             raise ModelFailure(f"tensor-parallel collective failed: {e}") from e
 
-    def forward(self, tokens: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
-        self._announce("forward", tokens, slots, starts)
-        return self._collective(super().forward, tokens, slots, starts)
+    def forward(self, tokens: list[list[int]], slots: list[int], starts: list[int], last_only: bool = True
+                ) -> torch.Tensor:
+        self._announce("forward", tokens, slots, starts, last_only)
+        return self._collective(super().forward, tokens, slots, starts, last_only)
 
     def logits(self, ids: list[int], step: int) -> torch.Tensor:
         self._announce("logits", ids, step)

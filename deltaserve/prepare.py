@@ -4,7 +4,7 @@ tool_choice constraints compiled into one grammar matcher per choice, and how ea
 Every problem is an APIError (400) naming the field."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .chat import ChatTemplateError
@@ -14,6 +14,7 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedT
 from .sampling import SamplingParams
 from .structured import (Constraint, GrammarMatcher, StructuredOutputError, constraint_from_request,
                          tool_call_constraint)
+from .tool_parser import SECTION_BEGIN
 
 
 @dataclass
@@ -30,10 +31,6 @@ class Job:
     request: ChatCompletionRequest | CompletionRequest
     groups: list[Group]
     chat_output: ChatOutput | None = None                    # chat: how the output text is read
-    choice_count: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.choice_count = sum(len(g.params) for g in self.groups)
 
 
 def render_chat(llm: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -65,8 +62,8 @@ def prepare_chat(llm: Any, request: ChatCompletionRequest, defaults: dict[str, A
     prompt = render_chat(llm, messages, request.tool_dicts, request.add_generation_prompt is not False, kwargs)
     tools = bool(request.tools) and request.tool_choice != "none"
     tail = llm.tokenizer.decode(prompt[-32:], skip_special_tokens=False)
-    output = ChatOutput(reasoning, tail, kwargs, tools)
-    params = [request.sampling_params(defaults, i) for i in range(request.choices)]
+    output = ChatOutput(reasoning, tail, kwargs, tools, isinstance(request.tool_choice, NamedToolChoice))
+    params = choice_params(llm, request, defaults, len(prompt))
     for p in params:
         # markers must reach the tool parser as text (vLLM's Kimi parser does the same)
         p.skip_special_tokens = p.skip_special_tokens and not tools
@@ -86,14 +83,26 @@ def prepare_completion(llm: Any, request: CompletionRequest, defaults: dict[str,
             ids = llm.encode(prompt)
         else:
             ids = list(prompt)
-        params = [request.sampling_params(defaults, c) for c in range(request.choices)]
+        params = choice_params(llm, request, defaults, len(ids))
         echo = None
         if request.echo:
-            echo = prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids) if llm.tokenizer else ""
+            echo = (prompt if isinstance(prompt, str) else
+                    llm.tokenizer.decode(ids, skip_special_tokens=False) if llm.tokenizer else "")
             if request.logprobs is not None:
                 params[0].prompt_logprobs = request.logprobs        # scored once; every choice shows the same
         groups.append(Group(ids, params, compile_constraints(llm, request, None, len(params), None), echo))
     return Job(request, groups)
+
+
+def choice_params(llm: Any, request: ChatCompletionRequest | CompletionRequest, defaults: dict[str, Any],
+                  prompt_tokens: int) -> list[SamplingParams]:
+    """Each choice's sampling parameters. A default max_tokens (generation_config's max_new_tokens) is capped by
+    the room the prompt leaves, as vLLM does: only a max_tokens the client sent can make a request too long."""
+    params = [request.sampling_params(defaults, i) for i in range(request.choices)]
+    if request.output_limit is None and defaults.get("max_tokens") is not None:
+        for p in params:
+            p.max_tokens = max(1, min(p.max_tokens, llm.max_model_len - prompt_tokens))
+    return params
 
 
 def _tool_constraint(llm: Any, request: ChatCompletionRequest) -> Constraint | None:
@@ -109,8 +118,9 @@ def _tool_constraint(llm: Any, request: ChatCompletionRequest) -> Constraint | N
 
 def compile_constraints(llm: Any, request: ChatCompletionRequest | CompletionRequest, tools: Constraint | None,
                         n: int, answer_marker: str | None) -> list[GrammarMatcher | None]:
-    """One matcher per choice for the request's constraint (None each when it has none). With `answer_marker`
-    (the output starts inside reasoning), the constraint applies once the output has ended with that marker."""
+    """One matcher per choice for the request's constraint (None each when it has none), compiled once. With
+    `answer_marker` (the output starts inside reasoning), the constraint applies once the output has ended with that
+    marker; a forced tool call may not open its section inside the reasoning, where the grammar cannot reach it."""
     try:
         constraint = constraint_from_request(request.constraint_fields())
         if constraint is not None and tools is not None:
@@ -119,9 +129,11 @@ def compile_constraints(llm: Any, request: ChatCompletionRequest | CompletionReq
         constraint = constraint or tools
         if constraint is None:
             return [None] * n
-        after = llm.tokenizer.encode(answer_marker) if answer_marker else ()
-        compiler = llm.engine.grammar_compiler
-        return [compiler.compile(constraint, after) for _ in range(n)]
+        tokenizer = llm.tokenizer
+        after = tokenizer.encode(answer_marker) if answer_marker else ()
+        banned = [tokenizer.token_id(m) for m in SECTION_BEGIN] if after and constraint is tools else []
+        first = llm.engine.grammar_compiler.compile(constraint, after, [t for t in banned if t is not None])
+        return [first] + [first.copy() for _ in range(n - 1)]
     except StructuredOutputError as e:
         raise APIError(400, str(e), param=e.param) from None
     except RequestError as e:

@@ -24,10 +24,12 @@ class ModelRunner:
         self._snapshot_ids = itertools.count()
         self.snapshots: dict[int, Snapshot] = {}      # this process's part of each live snapshot
 
-    def forward(self, tokens: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
-        """Append each row of `tokens` to its slot; logits of each row's last position, [B, vocab] float32."""
+    def forward(self, tokens: list[list[int]], slots: list[int], starts: list[int], last_only: bool = True
+                ) -> torch.Tensor:
+        """Append each row of `tokens` to its slot; logits of each row's last position, [B, vocab] float32 (of
+        every position, [B, T, vocab], without `last_only`)."""
         batch = torch.tensor(tokens, device=self.device)
-        return self.model(batch, self.pool.view(slots, starts), last_only=True)
+        return self.model(batch, self.pool.view(slots, starts), last_only=last_only)
 
     def logits(self, ids: list[int], step: int) -> torch.Tensor:
         """Logits at every position of a fresh sequence, computed `step` tokens at a time in a private pool."""

@@ -141,13 +141,17 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    """(log-probability of `token`, the `top` likeliest tokens and theirs, likeliest first) under softmax(logits),
-    computed in float64. These are the model's own (vLLM's default "raw" log-probabilities): before logit_bias,
-    penalties, a grammar's mask and temperature."""
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]     # token, its log-probability, the top (token, lp)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """For each row of `logits` [N, vocab] and its token: the token's log-probability and the `top` likeliest
+    tokens with theirs, likeliest first, under softmax computed in float64. These are the model's own (vLLM's
+    default "raw" log-probabilities): before logit_bias, penalties, a grammar's mask and temperature."""
     logp = torch.log_softmax(logits.double(), -1)
-    values, ids = logp.topk(min(top, logp.shape[-1]))
-    return float(logp[token]), list(zip(ids.tolist(), values.tolist()))
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+    return [(t, lp, list(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
 
 class StopStrings:

@@ -72,20 +72,15 @@ class EngineThread:
     def submit(self, groups: list[Group], cache_salt: str | None) -> tuple[list[EngineRequest], asyncio.Queue]:
         """Queue every choice of every prompt, all or none (RequestError); their updates arrive on one queue."""
         queue: asyncio.Queue = asyncio.Queue()
-        requests: list[EngineRequest] = []
-        try:
-            for g in groups:
-                ids = [secrets.token_hex(12) for _ in g.params]
-                for request_id in ids:
-                    self.routes[request_id] = (asyncio.get_running_loop(), queue)
-                requests += self.engine.add_requests(g.prompt, g.params, ids, cache_salt, g.grammars)
-        except RequestError:
-            for request_id in [r for r in self.routes if self.routes[r][1] is queue]:
-                del self.routes[request_id]
-                self.engine.abort(request_id)           # the groups queued before the one refused
-            raise
+        loop = asyncio.get_running_loop()
+        made = [self.engine.make_requests(g.prompt, g.params, [secrets.token_hex(12) for _ in g.params], cache_salt,
+                                          g.grammars) for g in groups]          # all checked before any is queued
+        for choices in made:
+            for r in choices:
+                self.routes[r.id] = (loop, queue)
+            self.engine.queue(choices)
         self.wake.set()
-        return requests, queue
+        return [r for choices in made for r in choices], queue
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -102,13 +97,11 @@ class EngineThread:
                 self.wake.clear()
                 continue
             for update in self.engine.step():
-                route = self.routes.get(update.request.id)
-                if route is None:
-                    continue
-                loop, queue = route
-                if update.finished:
-                    del self.routes[update.request.id]
-                loop.call_soon_threadsafe(queue.put_nowait, update)
+                request_id = update.request.id
+                route = self.routes.pop(request_id, None) if update.finished else self.routes.get(request_id)
+                if route is not None:
+                    loop, queue = route
+                    loop.call_soon_threadsafe(queue.put_nowait, update)
 
     def stop(self) -> None:
         self.stopping = True
@@ -279,13 +272,24 @@ def _parse(kind: type, state: ServerState, body: bytes) -> Any:
 
 def _prepare_chat(state: ServerState, body: bytes) -> Job:
     """Parse, render, tokenize and compile constraints (in a worker thread)."""
-    return prepare_chat(state.llm, _parse(ChatCompletionRequest, state, body), state.defaults, state.reasoning_parser)
+    request = _parse(ChatCompletionRequest, state, body)
+    _check_choice_count(state, request.choices)
+    return prepare_chat(state.llm, request, state.defaults, state.reasoning_parser)
 
 
 def _prepare_completion(state: ServerState, body: bytes) -> Job:
     """Parse, tokenize and compile constraints (in a worker thread). Text prompts are raw: special-token text in
     them is special."""
-    return prepare_completion(state.llm, _parse(CompletionRequest, state, body), state.defaults)
+    request = _parse(CompletionRequest, state, body)
+    _check_choice_count(state, request.choices * len(request.prompts))
+    return prepare_completion(state.llm, request, state.defaults)
+
+
+def _check_choice_count(state: ServerState, count: int) -> None:
+    """Before any work: a request with more choices than the queue holds could never be admitted."""
+    if count > max(1, state.max_queued_requests):
+        raise APIError(400, f"this request asks for {count} choices (n times prompts), more than this server "
+                            f"queues ({state.max_queued_requests}, --max-queued-requests)", param="n")
 
 
 def _tokenize(state: ServerState, body: bytes) -> list[int]:
@@ -323,9 +327,6 @@ async def _complete(state: ServerState, request: Request, tenant: int | None, jo
     chat = job.chat_output is not None
     engine = state.llm.engine
     _check_open(state)                           # again: the body was parsed in a worker thread meanwhile
-    if job.choice_count > max(1, state.max_queued_requests):
-        raise APIError(400, f"this request asks for {job.choice_count} choices (n times prompts), more than this "
-                            f"server queues ({state.max_queued_requests}, --max-queued-requests)", param="n")
     if len(engine.waiting) >= state.max_queued_requests:
         state.metrics.count("rejected_overloaded")
         raise APIError(503, f"the server is overloaded: {len(engine.waiting)} requests are already waiting",
@@ -341,7 +342,7 @@ async def _complete(state: ServerState, request: Request, tenant: int | None, jo
     tokens = TokenText(state.llm.tokenizer)
     index = iter(range(len(requests)))                 # choices in prompt-major order, as vLLM numbers them
     choices = {r.id: ChatChoice(next(index), tokens, job.chat_output) if chat else
-               CompletionChoice(next(index), tokens, g.echo, g.prompt)
+               CompletionChoice(next(index), tokens, g.echo, g.prompt, group[0])
                for g, group in zip(job.groups, _split(requests, job.groups)) for r in group}
     common = {"id": response_id, "created": int(time.time()), "model": state.model_name}
     kind = "chat.completion" if chat else "text_completion"
@@ -361,7 +362,8 @@ async def _complete(state: ServerState, request: Request, tenant: int | None, jo
         if failed is not None:
             return log.failed(failed).response()
         log.done(job, requests)
-        out = [choices[r.id].whole(texts[r.id], r) for r in requests]
+        # off the event loop: parsing and log-probability entries can take a while for long outputs
+        out = await run_in_threadpool(lambda: [choices[r.id].whole(texts[r.id], r) for r in requests])
         return JSONResponse({**common, "object": kind, "choices": out, "usage": usage()})
 
     def event(payload: dict[str, Any]) -> str:
@@ -443,6 +445,10 @@ async def _collect(state: ServerState, request: Request, requests: list[EngineRe
             texts[update.request.id] += update.text
             if update.finished:
                 running.discard(update.request.id)
+                if update.request.finish_reason == "error":        # the response fails: its siblings stop
+                    for request_id in running:
+                        state.runner.abort(request_id)
+                    running.clear()
     finally:
         gone.cancel()
         if running:                          # this task was cancelled (the server is stopping)

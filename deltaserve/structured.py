@@ -20,6 +20,8 @@ import llguidance.tiktoken
 import numpy as np
 import torch
 
+from .tool_parser import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
+
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
@@ -45,9 +47,8 @@ class Constraint:
     param: str           # the request field it came from, for error messages
 
 
-# Kimi's tool-call markers, special tokens of its tokenizer (tool_parser.py reads what they delimit)
-KIMI_TOOL_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                     "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+# Kimi's tool-call markers as it is trained to write them, special tokens of its tokenizer
+KIMI_TOOL_MARKERS = (SECTION_BEGIN[0], SECTION_END[0], CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
 
 
 def tool_call_constraint(tools: Sequence[dict[str, Any]], name: str | None, tokenizer: Tokenizer) -> Constraint:
@@ -133,15 +134,27 @@ def _constraint(kind: str, value: Any, param: str) -> Constraint:
 class GrammarMatcher:
     """One request's position in its grammar: the mask of the tokens that may come next, and the tokens taken.
     With `after` (e.g. the ids of `</think>` when the prompt opened reasoning), the grammar applies only once the
-    output has ended with those ids; every token is allowed before."""
+    output has ended with those ids; before, every token is allowed but those in `banned_before`."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, after: Sequence[int] = ()):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, after: Sequence[int] = (),
+                 banned_before: Sequence[int] = ()):
         self.matcher, self.vocab_size = matcher, vocab_size
-        self.after, self.recent = list(after), []
+        self.after, self.recent, self.banned_before = list(after), [], list(banned_before)
+
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher in the same position (for the other choices of a request)."""
+        twin = GrammarMatcher(self.matcher.deep_copy(), self.vocab_size, self.after, self.banned_before)
+        twin.recent = list(self.recent)
+        return twin
 
     @property
     def active(self) -> bool:
         return not self.after
+
+    @property
+    def constrains(self) -> bool:
+        """The next token is restricted: the grammar applies, or some tokens are banned before it does."""
+        return self.active or bool(self.banned_before)
 
     def fill_mask(self, into: torch.Tensor) -> None:
         """Write the allowed-token bitmask (bit i % 32 of word i // 32 set = token i allowed) into `into`, a
@@ -150,7 +163,13 @@ class GrammarMatcher:
         if self.active:
             self.matcher.unsafe_compute_mask_ptr(into.data_ptr(), into.numel() * 4)
         else:
-            into.fill_(-1)
+            self._fill_before(into)
+
+    def _fill_before(self, row: torch.Tensor) -> None:
+        row.fill_(-1)
+        words = row.numpy().view(np.uint32)
+        for t in self.banned_before:
+            words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False (and the matcher stays in error) if the grammar does not allow it."""
@@ -179,7 +198,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.tokenizer = _lltokenizer(tokenizer, vocab_size, list(eos_token_ids))
 
-    def compile(self, constraint: Constraint, after: Sequence[int] = ()) -> GrammarMatcher:
+    def compile(self, constraint: Constraint, after: Sequence[int] = (), banned_before: Sequence[int] = ()
+                ) -> GrammarMatcher:
         """A fresh matcher at the start of the constraint (which applies once the output ends with the ids `after`,
         see GrammarMatcher); StructuredOutputError naming the problem if the constraint is invalid."""
         grammar = _grammar(constraint)
@@ -189,7 +209,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise StructuredOutputError(constraint.param, matcher.get_error())
-        return GrammarMatcher(matcher, self.vocab_size, after)
+        return GrammarMatcher(matcher, self.vocab_size, after, banned_before)
 
 
 def _grammar(c: Constraint) -> str:
@@ -233,7 +253,7 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> 
     active = [(m.matcher, i) for i, m in enumerate(matchers) if m.active]
     for i, m in enumerate(matchers):
         if not m.active:
-            bitmask[i].fill_(-1)
+            m._fill_before(bitmask[i])
     if active:
         _executor().unsafe_compute_mask_ptr(active, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
 

@@ -120,6 +120,7 @@ def test_a_tool_call_comes_back_with_its_native_id_stream_and_not(live, client):
     assert (parts[0].index, parts[0].id, parts[0].type, parts[0].function.name) == (
         0, "functions.get_weather:0", "function", "get_weather")
     assert all(p.id is None and p.index == 0 for p in parts[1:]) and len(parts) > 2     # arguments in fragments
+    assert all(len(c.choices) == 1 for c in chunks)                 # each chunk carries the choice once
     assert "".join(p.function.arguments or "" for p in parts) == '{"city": "Paris"}'
 
 
@@ -161,11 +162,13 @@ def test_tool_choice_named_and_required_are_enforced_by_the_grammar(client):
                                            tool_choice={"type": "function", "function": {"name": "add"}})
     [call] = named.choices[0].message.tool_calls
     assert call.function.name == "add" and call.id.startswith("functions.add:")
+    assert named.choices[0].finish_reason == "stop"               # a call forced by name: OpenAI's "stop"
     jsonschema.validate(json.loads(call.function.arguments), schemas["add"])
     required = client.chat.completions.create(model="kimi", messages=USER, tools=TOOLS, seed=8, max_tokens=300,
                                               tool_choice="required")
     calls = required.choices[0].message.tool_calls
     assert calls and required.choices[0].message.content is None
+    assert required.choices[0].finish_reason == "tool_calls"
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 

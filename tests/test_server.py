@@ -267,17 +267,22 @@ def test_json_schema_outputs_validate_and_free_requests_beside_them_are_unchange
 
 def test_logprobs_are_the_models_log_softmax_in_both_shapes(server, client, offline):
     """Completions (legacy shape, echo) and chat (logprobs.content): each token's log-probability and the top
-    alternatives equal log_softmax of LLM.logits at that position, within 1e-5."""
+    alternatives equal log_softmax of LLM.logits at that position, within 1e-5. The prompt spans two prefill chunks,
+    holds a special token and is already cached; both choices of n=2 show the prompt's scores."""
     import torch
-    ids = list(range(100, 160))
-    r = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, logprobs=3, echo=True,
+    ids = list(range(100, 330)) + [482] + list(range(330, 400))
+    client.completions.create(model="tiny", prompt=ids, max_tokens=1)
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, logprobs=3, echo=True, n=2,
                                   extra_body={"ignore_eos": True})
-    logprobs = r.choices[0].logprobs
+    logprobs, second = r.choices[0].logprobs, r.choices[1].logprobs
+    assert second.token_logprobs[:len(ids)] == logprobs.token_logprobs[:len(ids)]
+    assert second.top_logprobs[:len(ids)] == logprobs.top_logprobs[:len(ids)]
     out = offline.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     tokenizer = offline.tokenizer
     reference = torch.log_softmax(offline.logits(ids + out.token_ids).double(), -1)
     tokens = ids + out.token_ids
-    assert r.choices[0].text == tokenizer.decode(ids) + out.text
+    assert r.choices[0].text == tokenizer.decode(ids, skip_special_tokens=False) + out.text
+    assert "<|im_end|>" in r.choices[0].text
     assert logprobs.tokens == [tokenizer.token_bytes(t).decode(errors="replace") for t in tokens]
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(tokens))]
@@ -328,6 +333,17 @@ def test_list_prompts_and_n_choices_share_each_prompts_prefill(server, client, o
     assert [c.text for c in r.choices] == [expected[0], expected[0], expected[1], expected[1]]
     assert hits() - before == 60 + 40
     assert r.usage.prompt_tokens == 100 and r.usage.completion_tokens == 24
+
+
+def test_a_refused_prompt_of_a_list_queues_none_of_them(server, client):
+    """All prompts are checked before any is queued: the good one never starts (no prefix-cache lookup)."""
+    queries = lambda: server.metric('vllm:prefix_cache_queries_total{model_name="tiny"}')
+    before = queries()
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="tiny", prompt=[[5, 6, 7], [7] * 4096], max_tokens=4)
+    time.sleep(0.5)
+    assert queries() == before
+    assert client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2).choices[0].finish_reason
 
 
 def test_tokenize_detokenize_version_and_vllm_metric_names(server, client):

@@ -5,6 +5,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -117,6 +118,24 @@ def test_constraint_after_reasoning_applies_once_the_output_ends_with_the_gate(c
     assert matcher.active and not matcher.accept(tokenizer.encode("maybe")[0])
     matcher = compiler.compile(Constraint("choice", ["yes", "no"], "x"), after=gate)
     assert all(matcher.accept(t) for t in gate + tokenizer.encode("no")) and matcher.is_finished()
+
+
+def test_banned_tokens_are_masked_until_the_gate_and_copies_are_independent(compiler, tokenizer):
+    """A forced tool call after reasoning: the section marker may not open inside the reasoning (banned before the
+    gate, bit 31 of a word included); a copy (another choice) advances on its own."""
+    gate = tokenizer.encode("</think>")
+    banned = [tokenizer.token_id("<|im_end|>"), 31, 63]
+    matcher = compiler.compile(Constraint("choice", ["yes", "no"], "x"), after=gate, banned_before=banned)
+    assert matcher.constrains and not matcher.active
+    bitmask = allocate_bitmask(1, VOCAB)
+    fill_bitmasks([matcher], bitmask)
+    words = bitmask[0].numpy().view(np.uint32)
+    allowed = lambda t: bool(words[t // 32] >> (t % 32) & 1)
+    assert not any(allowed(t) for t in banned) and all(allowed(t) for t in gate + [0, 30, 32, 62])
+    twin = matcher.copy()
+    assert all(matcher.accept(t) for t in gate + tokenizer.encode("no")) and matcher.is_finished()
+    assert not twin.active and all(twin.accept(t) for t in gate) and twin.active and not twin.is_finished()
+    assert twin.accept(tokenizer.encode("yes")[0])
 
 
 def test_masking_leaves_unconstrained_rows_bit_identical(compiler, tokenizer):

@@ -161,6 +161,13 @@ def test_generation_config_gives_request_defaults(tmp_path):
     request = parse(CompletionRequest, b'{"prompt": "x", "top_p": 0.5, "seed": 7, "n": 2}')
     first, second = request.sampling_params(defaults, 0), request.sampling_params(defaults, 1)
     assert (first.temperature, first.top_p, first.max_tokens, first.seed, second.seed) == (0.6, 0.5, 77, 7, 8)
+    from types import SimpleNamespace
+    from deltaserve.prepare import choice_params
+    llm = SimpleNamespace(max_model_len=100)             # a default max_tokens is capped by the room left (vLLM's)
+    assert [p.max_tokens for p in choice_params(llm, request, defaults, 40)] == [60, 60]
+    assert [p.max_tokens for p in choice_params(llm, request, defaults, 10)] == [77, 77]
+    sent = parse(CompletionRequest, b'{"prompt": "x", "max_tokens": 90}')
+    assert choice_params(llm, sent, defaults, 40)[0].max_tokens == 90      # the engine refuses what was sent
     assert generation_defaults(tmp_path / "nowhere") == {}
     (tmp_path / "generation_config.json").write_text('{"top_p": 0}')
     with pytest.raises(ValueError, match="top_p"):
