@@ -77,7 +77,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight) -> torch.Tensor:
         if k is not None:
             return k.gemv_q8(x, weight.q, weight.scales)
         return linear(x, dequantize_int8(weight.q, weight.scales, x.dtype))
-    k = _decode_kernels(x, weight) if weight.dtype == torch.bfloat16 else None     # fp32: MKL's GEMV is faster
+    # fp32 too: as fast as MKL's GEMV for one row, 2x for 8 (measured), and batch-invariant
+    k = _decode_kernels(x, weight) if weight.dtype in (torch.bfloat16, torch.float32) else None
     if k is not None:
         return k.gemv(x, weight)
     if _widen(x, weight):
