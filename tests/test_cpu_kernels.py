@@ -84,7 +84,8 @@ def test_fused_kda_decode_step_equals_the_op_by_op_step(tiny_dir, dtype):
 
 
 @pytest.mark.parametrize("variant", ["bf16", "int8", "mxfp4", "situ"])
-def test_one_token_experts_kernel_equals_the_op_by_op_loop(variant, monkeypatch):
+def test_routed_experts_kernel_equals_the_op_by_op_loop(variant, monkeypatch):
+    """1, 3 and 8 tokens (decode batches): the kernel gives the op-by-op loop's result bit for bit."""
     import json
     from pathlib import Path
 
@@ -113,7 +114,8 @@ def test_one_token_experts_kernel_equals_the_op_by_op_loop(variant, monkeypatch)
             getattr(moe, f"{stacked}_scale").copy_(scales)
     if variant == "int8":
         quantize_module_weights(moe)
-    x = torch.randn(1, cfg.hidden_size).bfloat16()
-    fused = moe(x)
+    xs = [torch.randn(n, cfg.hidden_size).bfloat16() for n in (1, 3, 8)]
+    fused = [moe(x) for x in xs]
     monkeypatch.setattr("deltaserve.layers.moe.kernels", lambda: None)
-    assert torch.equal(fused, moe(x))
+    for x, y in zip(xs, fused):
+        assert torch.equal(y, moe(x))

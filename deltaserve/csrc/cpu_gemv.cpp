@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -365,55 +366,60 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
   return kda_step_typed<float>(a, proj, conv, taps, f, dt, dec, beta_logit, z, w, S);
 }
 
-// The routed experts of one token (decode at batch 1): for each selected expert e with weight w,
-// out += w * down_e(act(gate_e(h), up_e(h))), experts in the given order, with the same ops and roundings as the
-// op-by-op path (gate/up and down results in h's dtype; SwiGLU as silu(g) * u in h's dtype; SiTU in fp32, rounded
-// once). A stacked weight is (W) dense [E, N, K], (packed, scales) MXFP4 or (q, scales) int8. The k gate/up
-// products run as one parallel pass over all their rows, then the k down products as another: two thread
-// fork-joins per layer instead of 2k, and each row still computed exactly as gemv computes it.
+// The routed experts of a few tokens (decode: 1..8 rows): out[n] += (w[n, j] * expert_e(h[n])).to(h's dtype) for
+// each assignment (n, j) of token n to expert e = ids[n, j], experts in ascending order and each expert's tokens in
+// slot order, with the same ops, shapes and roundings as the op-by-op loop in layers/moe.py (gate/up and down
+// results in h's dtype; SwiGLU as silu(g) * u in h's dtype; SiTU in fp32, rounded once). A stacked weight is (W)
+// dense [E, N, K], (packed, scales) MXFP4 or (q, scales) int8. All gate/up products run as one parallel pass over
+// their rows, then all down products as another: two thread fork-joins per layer instead of two per assignment,
+// each row computed exactly as gemv computes it.
 namespace {
-// One input row in the forms the kernels read: fp32, and for MXFP4 its even and odd elements apart.
-struct Input {
+// Rows of inputs in the forms the kernels read: fp32, and for MXFP4 their even and odd elements apart.
+struct Inputs {
   torch::Tensor f, even, odd;
-  explicit Input(const torch::Tensor& x, bool mxfp4) : f(rows_input(x, x.size(-1))) {
+  Inputs(const torch::Tensor& x, bool mxfp4) : f(x.to(torch::kFloat).contiguous()) {
     if (mxfp4) {
-      const auto pairs = f.view({1, f.size(1) / 2, 2});
+      const auto pairs = f.view({f.size(0), f.size(1) / 2, 2});
       even = pairs.select(2, 0).contiguous(), odd = pairs.select(2, 1).contiguous();
     }
   }
+  const float* row(const torch::Tensor& t, int64_t i) const {
+    return t.defined() ? t.data_ptr<float>() + i * t.size(1) : nullptr;
+  }
 };
 
-// Rows [n0, n1) of y = W_e x for expert e of a stacked weight, one input row.
-void expert_rows(const std::vector<torch::Tensor>& w, int64_t e, const Input& x, int64_t n0, int64_t n1, float* y) {
+// Rows [n0, n1) of y = W_e x for expert e of a stacked weight and input row i of x.
+void expert_rows(const std::vector<torch::Tensor>& w, int64_t e, const Inputs& x, int64_t i, int64_t n0, int64_t n1,
+                 float* y) {
   const int64_t N = w[0].size(1);
+  const float* xf = x.row(x.f, i);
   if (w.size() == 1) {
     const int64_t K = w[0].size(2);
     if (w[0].scalar_type() == torch::kBFloat16)
-      dense_rows<uint16_t, 1>(x.f.data_ptr<float>(), K, (const uint16_t*)w[0][e].data_ptr(), n0, n1, y, N);
+      dense_rows<uint16_t, 1>(xf, K, (const uint16_t*)w[0][e].data_ptr(), n0, n1, y, N);
     else
-      dense_rows<float, 1>(x.f.data_ptr<float>(), K, w[0][e].data_ptr<float>(), n0, n1, y, N);
+      dense_rows<float, 1>(xf, K, w[0][e].data_ptr<float>(), n0, n1, y, N);
   } else if (w[0].scalar_type() == torch::kByte) {
-    mxfp4_rows<1>(x.even.data_ptr<float>(), x.odd.data_ptr<float>(), w[0].size(2) * 2, w[0][e].data_ptr<uint8_t>(),
+    mxfp4_rows<1>(x.row(x.even, i), x.row(x.odd, i), w[0].size(2) * 2, w[0][e].data_ptr<uint8_t>(),
                   w[1][e].data_ptr<uint8_t>(), n0, n1, y, N);
   } else {
-    q8_rows<1>(x.f.data_ptr<float>(), w[0].size(2), w[0][e].data_ptr<int8_t>(), w[1][e].data_ptr<float>(), n0, n1,
-               y, N);
+    q8_rows<1>(xf, w[0].size(2), w[0][e].data_ptr<int8_t>(), w[1][e].data_ptr<float>(), n0, n1, y, N);
   }
 }
 
-// y[i] = W_{experts[i]} inputs[i] for every i, as one parallel pass over all the rows; y [k, N] float32.
+// y[a] = W_{experts[a]} x[rows[a]] for every assignment a, as one parallel pass over all the rows; y [A, N] fp32.
 torch::Tensor experts_product(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& experts,
-                              const std::vector<Input>& inputs) {
-  const int64_t k = experts.size(), N = w[0].size(1);
+                              const Inputs& x, const std::vector<int64_t>& rows) {
+  const int64_t A = experts.size(), N = w[0].size(1);
   TORCH_CHECK(w[0].dim() == 3 && w[0].is_contiguous() && (w.size() == 1 || w[1].is_contiguous()),
               "stacked expert weights must be contiguous [E, N, ...]");
   for (const auto e : experts) TORCH_CHECK(e >= 0 && e < w[0].size(0), "expert id out of range");
-  auto y = torch::empty({k, N}, torch::kFloat);
+  auto y = torch::empty({A, N}, torch::kFloat);
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, k * N, 16, [&](int64_t t0, int64_t t1) {
-    while (t0 < t1) {                       // split the range at expert boundaries
-      const int64_t i = t0 / N, n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
-      expert_rows(w, experts[i], inputs[i], n0, n1, out + i * N);
+  at::parallel_for(0, A * N, 16, [&](int64_t t0, int64_t t1) {
+    while (t0 < t1) {                       // split the range at assignment boundaries
+      const int64_t a = t0 / N, n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
+      expert_rows(w, experts[a], x, rows[a], n0, n1, out + a * N);
       t0 += n1 - n0;
     }
   });
@@ -421,33 +427,45 @@ torch::Tensor experts_product(const std::vector<torch::Tensor>& w, const std::ve
 }
 }  // namespace
 
-torch::Tensor experts_one_token(const torch::Tensor& h, const std::vector<int64_t>& experts,
-                                const std::vector<double>& weights, const std::vector<torch::Tensor>& w13,
-                                const std::vector<torch::Tensor>& w2, bool situ, double beta, double linear_beta) {
-  TORCH_CHECK(experts.size() == weights.size(), "one weight per expert");
-  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "h must be one row [1, R]");
+torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, const torch::Tensor& weights,
+                             const std::vector<torch::Tensor>& w13, const std::vector<torch::Tensor>& w2, bool situ,
+                             double beta, double linear_beta) {
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= kMaxRows, "h must be [1..", kMaxRows, ", R]");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == h.size(0) && ids.scalar_type() == torch::kLong,
+              "ids must be int64 [N, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "weights must be fp32 [N, k]");
   const bool mxfp4 = w13[0].scalar_type() == torch::kByte;
   const auto dtype = h.scalar_type();
-  const int64_t k = experts.size();
-  const Input hx(h, mxfp4);
-  const auto gate_up = experts_product(w13, experts, std::vector<Input>(k, hx)).to(dtype);
+  const int64_t k = ids.size(1), A = ids.numel();
+  const auto id = ids.contiguous();
+  const int64_t* e_of = id.data_ptr<int64_t>();
+  std::vector<int64_t> slots(A);                         // assignments by expert, then by slot (n * k + j)
+  for (int64_t a = 0; a < A; ++a) slots[a] = a;
+  std::stable_sort(slots.begin(), slots.end(), [&](int64_t x, int64_t y) { return e_of[x] < e_of[y]; });
+  std::vector<int64_t> experts(A), token(A), own(A);
+  for (int64_t a = 0; a < A; ++a) experts[a] = e_of[slots[a]], token[a] = slots[a] / k, own[a] = a;
+  const auto gate_up = experts_product(w13, experts, Inputs(h, mxfp4), token).to(dtype);
   const int64_t I = gate_up.size(1) / 2;
-  std::vector<Input> acts;
-  for (int64_t i = 0; i < k; ++i) {
-    const auto gate = gate_up.narrow(0, i, 1).narrow(1, 0, I), up = gate_up.narrow(0, i, 1).narrow(1, I, I);
-    torch::Tensor act;
+  auto act = torch::empty({A, I}, gate_up.options());
+  for (int64_t b = 0, end; b < A; b = end) {           // per expert, the op-by-op loop's shapes
+    for (end = b + 1; end < A && experts[end] == experts[b]; ++end) {}
+    const auto rows = gate_up.narrow(0, b, end - b);
+    const auto gate = rows.narrow(1, 0, I), up = rows.narrow(1, I, I);
+    auto into = act.narrow(0, b, end - b);
     if (situ) {
       const auto g = gate.to(torch::kFloat), u = up.to(torch::kFloat);
-      act = (beta * torch::tanh(g / beta) * torch::sigmoid(g) * (linear_beta * torch::tanh(u / linear_beta)))
-                .to(dtype);
+      into.copy_((beta * torch::tanh(g / beta) * torch::sigmoid(g) * (linear_beta * torch::tanh(u / linear_beta)))
+                     .to(dtype));
     } else {
-      act = torch::silu(gate) * up;
+      at::mul_out(into, torch::silu(gate), up);
     }
-    acts.emplace_back(act, mxfp4);
   }
-  const auto down = experts_product(w2, experts, acts).to(dtype);
+  const auto down = experts_product(w2, experts, Inputs(act, mxfp4), own).to(dtype);
+  const auto order = torch::tensor(slots, torch::kLong);
+  // elementwise, so over all rows at once; index_add_ adds rows in index order: experts ascending, as the loop does
+  const auto y = (down * weights.flatten().index_select(0, order).unsqueeze(1)).to(dtype);
   auto out = torch::zeros_like(h);
-  for (int64_t i = 0; i < k; ++i) out.add_(down.narrow(0, i, 1), weights[i]);
+  out.index_add_(0, torch::tensor(token, torch::kLong), y);
   return out;
 }
 
@@ -483,7 +501,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("experts_one_token", &experts_one_token, "the routed experts of one token, accumulated in order");
+  m.def("routed_experts", &routed_experts, "the routed experts of 1..8 tokens, as the op-by-op loop");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows: fp32 statistics, rounded to x's dtype, times the weight");
   m.def("kda_decode_step", &kda_decode_step, "one fused KDA decode step, in place on the conv window and state");
   m.def("gemv", &gemv, "y = x @ W^T for 1..8 rows of x [..., K], W float32 or bfloat16; y in x's dtype");

@@ -16,7 +16,7 @@ from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..ops.mxfp4 import BLOCK
 from ..ops.mxfp8 import quantize_dequantize_mxfp8
-from ..ops.cpu_kernels import kernels
+from ..ops.cpu_kernels import MAX_ROWS, kernels
 from .linear import Int8Weight, linear, linear_mxfp4
 from .mlp import GatedMLP, gated_activation, param
 from .norm import RMSNorm
@@ -115,26 +115,19 @@ class MoE(nn.Module):
 
     def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[n, k] * expert_{ids[n, k]}(h[n]) for every token n; h [N, R] -> [N, R]. Experts run in
-        ascending order, as the reference sums them; assignments are grouped on the host (one sync)."""
+        ascending order, as the reference sums them; assignments are grouped on the host (one sync). Decode (up to
+        8 tokens) runs the same loop as one CPU kernel call."""
         qdq = quantize_dequantize_mxfp8 if self.cfg.expert_input_mxfp8 else (lambda t: t)
         h = qdq(h)
         N, k = ids.shape
+        fused = (kernels() if h.device.type == "cpu" and N <= MAX_ROWS and not self.cfg.expert_input_mxfp8
+                 else None)
+        if fused is not None:
+            return fused.routed_experts(h, ids, weights, self._stacked("w13"), self._stacked("w2"),
+                                        self.cfg.hidden_act == "situ", self.cfg.situ_beta, self.cfg.situ_linear_beta)
         by_expert: dict[int, list[int]] = {}
         for slot, e in enumerate(ids.flatten().tolist()):
             by_expert.setdefault(e, []).append(slot)
-        if N == 1:                                     # one token (decode at batch 1): no gathers or scatters
-            order = sorted(by_expert)
-            scale = weights.flatten().tolist()
-            fused = kernels() if h.device.type == "cpu" and not self.cfg.expert_input_mxfp8 else None
-            if fused is not None:                      # the same loop as one CPU kernel call
-                return fused.experts_one_token(h, order, [scale[by_expert[e][0]] for e in order],
-                                               self._stacked("w13"), self._stacked("w2"),
-                                               self.cfg.hidden_act == "situ", self.cfg.situ_beta,
-                                               self.cfg.situ_linear_beta)
-            out = torch.zeros_like(h)
-            for e in order:
-                out.add_(self.expert(e, h, qdq), alpha=scale[by_expert[e][0]])
-            return out
         out = torch.zeros_like(h)
         flat_weights = weights.flatten()
         for e in sorted(by_expert):
