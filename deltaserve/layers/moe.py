@@ -120,8 +120,8 @@ class MoE(nn.Module):
         qdq = quantize_dequantize_mxfp8 if self.cfg.expert_input_mxfp8 else (lambda t: t)
         h = qdq(h)
         N, k = ids.shape
-        fused = (kernels() if h.device.type == "cpu" and N <= MAX_ROWS and not self.cfg.expert_input_mxfp8
-                 else None)
+        fused = (kernels() if h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16)
+                 and N <= MAX_ROWS and not self.cfg.expert_input_mxfp8 else None)
         if fused is not None:
             return fused.routed_experts(h, ids, weights, self._stacked("w13"), self._stacked("w2"),
                                         self.cfg.hidden_act == "situ", self.cfg.situ_beta, self.cfg.situ_linear_beta)
