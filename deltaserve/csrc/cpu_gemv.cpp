@@ -69,6 +69,14 @@ void dense_rows(const float* x, int64_t K, const WT* W, int64_t n0, int64_t n1, 
   for (; n < n1; ++n) dense_block<WT, M, 1>(x, K, W, n, y, N);
 }
 
+// 2^(s - 127): the float whose exponent field is s (s = 0, below the normal range, is 2^-127 = bit 22 alone)
+inline float e8m0(uint8_t s) {
+  const uint32_t bits = s ? uint32_t(s) << 23 : 0x00400000u;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // x is given de-interleaved per 32-block: xe holds the even elements, xo the odd ones ([M, K/2] each).
 template <int M, int R>
 void mxfp4_block(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, int64_t n, float* y,
@@ -86,7 +94,7 @@ void mxfp4_block(const float* xe, const float* xo, int64_t K, const uint8_t* P, 
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(P + (n + r) * half + b * 16)));
       const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(codes, low_nibble), table);
       const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
-      const __m512 scale = _mm512_set1_ps(std::ldexp(1.0f, int(S[(n + r) * blocks + b]) - 127));
+      const __m512 scale = _mm512_set1_ps(e8m0(S[(n + r) * blocks + b]));
       for (int m = 0; m < M; ++m) {
         const int64_t at = m * half + b * 16;
         const __m512 dot = _mm512_fmadd_ps(even, _mm512_loadu_ps(xe + at), _mm512_mul_ps(odd, _mm512_loadu_ps(xo + at)));
