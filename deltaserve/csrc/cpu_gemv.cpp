@@ -378,9 +378,9 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
 // each assignment (n, j) of token n to expert e = ids[n, j], experts in ascending order and each expert's tokens in
 // slot order, with the same ops, shapes and roundings as the op-by-op loop in layers/moe.py (gate/up and down
 // results in h's dtype; SwiGLU as silu(g) * u in h's dtype; SiTU in fp32, rounded once). A stacked weight is (W)
-// dense [E, N, K], (packed, scales) MXFP4 or (q, scales) int8. All gate/up products run as one parallel pass over
-// their rows, then all down products as another: two thread fork-joins per layer instead of two per assignment,
-// each row computed exactly as gemv computes it.
+// dense [E, N, K], (packed, scales) MXFP4 or (q, scales) int8. All gate/up products run as one parallel pass, then
+// all down products as another (two thread fork-joins per layer), each expert's weights read once for all its
+// tokens, each row computed exactly as gemv computes it.
 namespace {
 // Rows of inputs in the forms the kernels read: fp32, and for MXFP4 their even and odd elements apart.
 struct Inputs {
@@ -396,38 +396,56 @@ struct Inputs {
   }
 };
 
-// Rows [n0, n1) of y = W_e x for expert e of a stacked weight and input row i of x.
-void expert_rows(const std::vector<torch::Tensor>& w, int64_t e, const Inputs& x, int64_t i, int64_t n0, int64_t n1,
-                 float* y) {
-  const int64_t N = w[0].size(1);
-  const float* xf = x.row(x.f, i);
+// The assignments [begin, end) of one expert: rows begin.. of the inputs and of the output.
+struct Group {
+  int64_t expert, begin, end;
+};
+
+// Rows [n0, n1) of y[m] = W_e x[begin + m] for the M inputs of a group (each row as gemv computes it).
+template <int M>
+void group_rows(const std::vector<torch::Tensor>& w, const Group& g, const Inputs& x, int64_t n0, int64_t n1,
+                float* y) {
+  const int64_t N = w[0].size(1), e = g.expert;
+  const float* xf = x.row(x.f, g.begin);
   if (w.size() == 1) {
     const int64_t K = w[0].size(2);
     if (w[0].scalar_type() == torch::kBFloat16)
-      dense_rows<uint16_t, 1>(xf, K, (const uint16_t*)w[0][e].data_ptr(), n0, n1, y, N);
+      dense_rows<uint16_t, M>(xf, K, (const uint16_t*)w[0][e].data_ptr(), n0, n1, y, N);
     else
-      dense_rows<float, 1>(xf, K, w[0][e].data_ptr<float>(), n0, n1, y, N);
+      dense_rows<float, M>(xf, K, w[0][e].data_ptr<float>(), n0, n1, y, N);
   } else if (w[0].scalar_type() == torch::kByte) {
-    mxfp4_rows<1>(x.row(x.even, i), x.row(x.odd, i), w[0].size(2) * 2, w[0][e].data_ptr<uint8_t>(),
+    mxfp4_rows<M>(x.row(x.even, g.begin), x.row(x.odd, g.begin), w[0].size(2) * 2, w[0][e].data_ptr<uint8_t>(),
                   w[1][e].data_ptr<uint8_t>(), n0, n1, y, N);
   } else {
-    q8_rows<1>(xf, w[0].size(2), w[0][e].data_ptr<int8_t>(), w[1][e].data_ptr<float>(), n0, n1, y, N);
+    q8_rows<M>(xf, w[0].size(2), w[0][e].data_ptr<int8_t>(), w[1][e].data_ptr<float>(), n0, n1, y, N);
   }
 }
 
-// y[a] = W_{experts[a]} x[rows[a]] for every assignment a, as one parallel pass over all the rows; y [A, N] fp32.
-torch::Tensor experts_product(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& experts,
-                              const Inputs& x, const std::vector<int64_t>& rows) {
-  const int64_t A = experts.size(), N = w[0].size(1);
+// y[a] = W_{expert of a} x[a] for every assignment a: each expert's weights read once for all its rows, every
+// group in one parallel pass over their output rows; y [A, N] fp32.
+torch::Tensor experts_product(const std::vector<torch::Tensor>& w, const std::vector<Group>& groups,
+                              const Inputs& x) {
+  const int64_t G = groups.size(), N = w[0].size(1);
   TORCH_CHECK(w[0].dim() == 3 && w[0].is_contiguous() && (w.size() == 1 || w[1].is_contiguous()),
               "stacked expert weights must be contiguous [E, N, ...]");
-  for (const auto e : experts) TORCH_CHECK(e >= 0 && e < w[0].size(0), "expert id out of range");
-  auto y = torch::empty({A, N}, torch::kFloat);
+  for (const auto& g : groups) TORCH_CHECK(g.expert >= 0 && g.expert < w[0].size(0), "expert id out of range");
+  auto y = torch::empty({x.f.size(0), N}, torch::kFloat);
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, A * N, 16, [&](int64_t t0, int64_t t1) {
-    while (t0 < t1) {                       // split the range at assignment boundaries
-      const int64_t a = t0 / N, n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
-      expert_rows(w, experts[a], x, rows[a], n0, n1, out + a * N);
+  at::parallel_for(0, G * N, 16, [&](int64_t t0, int64_t t1) {
+    while (t0 < t1) {                       // split the range at group boundaries
+      const Group& g = groups[t0 / N];
+      const int64_t n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
+      float* yg = out + g.begin * N;
+      switch (g.end - g.begin) {
+        case 1: group_rows<1>(w, g, x, n0, n1, yg); break;
+        case 2: group_rows<2>(w, g, x, n0, n1, yg); break;
+        case 3: group_rows<3>(w, g, x, n0, n1, yg); break;
+        case 4: group_rows<4>(w, g, x, n0, n1, yg); break;
+        case 5: group_rows<5>(w, g, x, n0, n1, yg); break;
+        case 6: group_rows<6>(w, g, x, n0, n1, yg); break;
+        case 7: group_rows<7>(w, g, x, n0, n1, yg); break;
+        default: group_rows<8>(w, g, x, n0, n1, yg); break;
+      }
       t0 += n1 - n0;
     }
   });
@@ -450,30 +468,35 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
   std::vector<int64_t> slots(A);                         // assignments by expert, then by slot (n * k + j)
   for (int64_t a = 0; a < A; ++a) slots[a] = a;
   std::stable_sort(slots.begin(), slots.end(), [&](int64_t x, int64_t y) { return e_of[x] < e_of[y]; });
-  std::vector<int64_t> experts(A), token(A), own(A);
-  for (int64_t a = 0; a < A; ++a) experts[a] = e_of[slots[a]], token[a] = slots[a] / k, own[a] = a;
-  const auto gate_up = experts_product(w13, experts, Inputs(h, mxfp4), token).to(dtype);
+  std::vector<int64_t> token(A);
+  std::vector<Group> groups;                             // a token's experts are distinct: at most 8 rows a group
+  for (int64_t a = 0; a < A; ++a) {
+    token[a] = slots[a] / k;
+    if (a == 0 || e_of[slots[a]] != groups.back().expert) groups.push_back({e_of[slots[a]], a, a + 1});
+    else groups.back().end = a + 1;
+  }
+  const auto tokens = torch::tensor(token, torch::kLong);
+  const auto gate_up = experts_product(w13, groups, Inputs(h.index_select(0, tokens), mxfp4)).to(dtype);
   const int64_t I = gate_up.size(1) / 2;
   auto act = torch::empty({A, I}, gate_up.options());
-  for (int64_t b = 0, end; b < A; b = end) {           // per expert, the op-by-op loop's shapes
-    for (end = b + 1; end < A && experts[end] == experts[b]; ++end) {}
-    const auto rows = gate_up.narrow(0, b, end - b);
+  for (const auto& g : groups) {                         // per expert, the op-by-op loop's shapes
+    const auto rows = gate_up.narrow(0, g.begin, g.end - g.begin);
     const auto gate = rows.narrow(1, 0, I), up = rows.narrow(1, I, I);
-    auto into = act.narrow(0, b, end - b);
+    auto into = act.narrow(0, g.begin, g.end - g.begin);
     if (situ) {
-      const auto g = gate.to(torch::kFloat), u = up.to(torch::kFloat);
-      into.copy_((beta * torch::tanh(g / beta) * torch::sigmoid(g) * (linear_beta * torch::tanh(u / linear_beta)))
+      const auto gf = gate.to(torch::kFloat), uf = up.to(torch::kFloat);
+      into.copy_((beta * torch::tanh(gf / beta) * torch::sigmoid(gf) * (linear_beta * torch::tanh(uf / linear_beta)))
                      .to(dtype));
     } else {
       at::mul_out(into, torch::silu(gate), up);
     }
   }
-  const auto down = experts_product(w2, experts, Inputs(act, mxfp4), own).to(dtype);
-  const auto order = torch::tensor(slots, torch::kLong);
+  const auto down = experts_product(w2, groups, Inputs(act, mxfp4)).to(dtype);
   // elementwise, so over all rows at once; index_add_ adds rows in index order: experts ascending, as the loop does
+  const auto order = torch::tensor(slots, torch::kLong);
   const auto y = (down * weights.flatten().index_select(0, order).unsqueeze(1)).to(dtype);
   auto out = torch::zeros_like(h);
-  out.index_add_(0, torch::tensor(token, torch::kLong), y);
+  out.index_add_(0, tokens, y);
   return out;
 }
 
