@@ -241,8 +241,9 @@ class Engine:
         # from scratch (as in vLLM): a snapshot keeps only its last position's logits
         scored = r.params.prompt_logprobs is not None
         snap = None if scored else self.cache.match(r.prompt, salt=r.cache_salt)
-        self.prefix_cache_queries += len(r.prompt)
-        self.prefix_cache_hits += snap.length if snap is not None else 0
+        if not scored:
+            self.prefix_cache_queries += len(r.prompt)
+            self.prefix_cache_hits += snap.length if snap is not None else 0
         if snap is None:
             self.runner.reset(r.slot)
             r.status = Status.PREFILL
@@ -258,17 +259,23 @@ class Engine:
             self._accept(r, snap.logits, updates)
 
     def _prefill_chunk(self, r: Request, updates: list[Update]) -> None:
-        chunk = r.prompt[r.computed:r.computed + self.prefill_tokens]
+        chunk, start = r.prompt[r.computed:r.computed + self.prefill_tokens], r.computed
         scored = r.prompt_logprobs is not None
-        logits = self.runner.forward([chunk], [r.slot], [r.computed], last_only=not scored)[0]
-        if scored:              # each position's logits score the next prompt token
-            following = r.prompt[r.computed + 1:r.computed + 1 + len(chunk)]
-            if following:
-                r.prompt_logprobs += token_logprobs(logits[:len(following)], following, r.params.prompt_logprobs)
-            logits = logits[-1]
+        logits = self.runner.forward([chunk], [r.slot], [start], last_only=not scored)[0]
         r.computed += len(chunk)
+        if scored:
+            self._isolated(r, updates, self._score_chunk, r, logits, start)
+            if r.finish_reason is not None:             # scoring failed: the request failed alone
+                return
+            logits = logits[-1]
         if r.computed == len(r.prompt):
             self._isolated(r, updates, self._end_prefill, r, logits, updates)
+
+    def _score_chunk(self, r: Request, logits: torch.Tensor, start: int) -> None:
+        """Each position's logits score the next prompt token."""
+        following = r.prompt[start + 1:start + 1 + len(logits)]
+        if following:
+            r.prompt_logprobs += token_logprobs(logits[:len(following)], following, r.params.prompt_logprobs)
 
     def _end_prefill(self, r: Request, logits: torch.Tensor, updates: list[Update]) -> None:
         self.cache.insert(r.prompt, self.runner.snapshot(r.slot, r.computed, logits), salt=r.cache_salt)

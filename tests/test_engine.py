@@ -261,6 +261,28 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(llm, one_torch_thread
         assert token == ids[position + 1] and abs(logprob - reference[position, token]) <= 1e-5 and len(top) == 2
 
 
+def test_scoring_the_prompt_changes_neither_the_output_nor_the_cache_and_fails_alone(tiny_dir, monkeypatch,
+                                                                                   one_torch_thread):
+    """A request that asks for prompt log-probabilities (all positions' logits) samples exactly what it would
+    without, and leaves the same snapshot logits; a failure while scoring fails that request alone."""
+    llm = LLM(tiny_dir, dtype="bfloat16", prefill_tokens=16)
+    ids = prompt(40, seed=52)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([ids], plain)[0].token_ids
+    cached = llm.engine.cache.match(ids).logits.clone()
+    llm.engine.cache.clear()
+    scored = llm.engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                        prompt_logprobs=1))
+    llm.engine.run([scored])
+    assert scored.output == expected and torch.equal(llm.engine.cache.match(ids).logits, cached)
+    monkeypatch.setattr("deltaserve.engine.token_logprobs", lambda *a: _raise())
+    bad = llm.engine.add_request(ids, SamplingParams(max_tokens=6, prompt_logprobs=1))
+    good = llm.engine.add_request(prompt(30, seed=53), plain)
+    llm.engine.run([bad, good])
+    assert bad.finish_reason == "error" and "injected failure" in bad.error and len(good.output) == 6
+    assert not llm.engine.running and len(llm.engine.free_slots) == llm.engine.max_num_seqs
+
+
 def test_choices_of_one_prompt_prefill_it_once(llm, one_torch_thread):
     """n > 1: the first choice prefills the prompt; the others start from its cached snapshot."""
     llm.engine.cache.clear()

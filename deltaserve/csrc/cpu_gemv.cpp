@@ -492,11 +492,13 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
     }
   }
   const auto down = experts_product(w2, groups, Inputs(act, mxfp4)).to(dtype);
-  // elementwise, so over all rows at once; index_add_ adds rows in index order: experts ascending, as the loop does
+  // elementwise, so over all rows at once; then one index_add_ per expert in ascending order, as the loop does (a
+  // single call would sum a token's experts in fp32 and round once, where the loop rounds after each)
   const auto order = torch::tensor(slots, torch::kLong);
   const auto y = (down * weights.flatten().index_select(0, order).unsqueeze(1)).to(dtype);
   auto out = torch::zeros_like(h);
-  out.index_add_(0, tokens, y);
+  for (const auto& g : groups)
+    out.index_add_(0, tokens.narrow(0, g.begin, g.end - g.begin), y.narrow(0, g.begin, g.end - g.begin));
   return out;
 }
 
