@@ -36,8 +36,6 @@ from .sampling import Sampler, SamplingParams, StopStrings, TokenLogprob, token_
 from .structured import Constraint, GrammarCompiler, GrammarMatcher, allocate_bitmask, apply_bitmask_, fill_bitmasks
 from .tokenizer import IncrementalDecoder, Tokenizer
 
-# (token id, its log-probability, [(alternative id, log-probability)] likeliest first)
-
 
 class Status(Enum):
     WAITING = "waiting"
