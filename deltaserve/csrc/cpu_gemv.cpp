@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -149,19 +150,25 @@ void q8_rows(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t
   for (; n < n1; ++n) q8_block<M, 1>(x, K, Q, S, n, y, N);
 }
 
+// f(std::integral_constant<int, m>{}) for a row count m in 1..kMaxRows known only at run time.
+template <typename F>
+void with_rows(int64_t m, F&& f) {
+  switch (m) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 template <template <int> class Rows, typename... Args>
 void by_rows(int64_t M, int64_t N, int64_t grain, Args... args) {
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: Rows<1>::run(args..., n0, n1); break;
-      case 2: Rows<2>::run(args..., n0, n1); break;
-      case 3: Rows<3>::run(args..., n0, n1); break;
-      case 4: Rows<4>::run(args..., n0, n1); break;
-      case 5: Rows<5>::run(args..., n0, n1); break;
-      case 6: Rows<6>::run(args..., n0, n1); break;
-      case 7: Rows<7>::run(args..., n0, n1); break;
-      default: Rows<8>::run(args..., n0, n1); break;
-    }
+    with_rows(M, [&](auto m) { Rows<decltype(m)::value>::run(args..., n0, n1); });
   });
 }
 
@@ -198,6 +205,20 @@ torch::Tensor rows_input(const torch::Tensor& x, int64_t K) {
   return rows.to(torch::kFloat).contiguous();
 }
 
+// Rows of inputs in the forms the kernels read: fp32, and for MXFP4 their even and odd elements apart.
+struct Inputs {
+  torch::Tensor f, even, odd;
+  Inputs(const torch::Tensor& x, bool mxfp4) : f(x.to(torch::kFloat).contiguous()) {
+    if (mxfp4) {
+      const auto pairs = f.view({f.size(0), f.size(1) / 2, 2});
+      even = pairs.select(2, 0).contiguous(), odd = pairs.select(2, 1).contiguous();
+    }
+  }
+  const float* row(const torch::Tensor& t, int64_t i) const {
+    return t.defined() ? t.data_ptr<float>() + i * t.size(1) : nullptr;
+  }
+};
+
 // y [M, N] fp32 -> x's leading shape and dtype.
 torch::Tensor like_input(const torch::Tensor& y, const torch::Tensor& x) {
   auto shape = x.sizes().vec();
@@ -229,12 +250,10 @@ torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, co
               "packed [N, K/2] and scales [N, K/32] must be contiguous uint8");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(K % 32 == 0 && scales.size(0) == N && scales.size(1) == K / 32, "scales must be [N, K/32]");
-  const auto xf = rows_input(x, K);
-  const int64_t M = xf.size(0);
-  const auto pairs = xf.view({M, K / 2, 2});
-  const auto even = pairs.select(2, 0).contiguous(), odd = pairs.select(2, 1).contiguous();
-  auto y = torch::empty({M, N}, xf.options());
-  by_rows<Mxfp4Rows>(M, N, 16, even.data_ptr<float>(), odd.data_ptr<float>(), K, packed.data_ptr<uint8_t>(),
+  const Inputs xs(rows_input(x, K), true);
+  const int64_t M = xs.f.size(0);
+  auto y = torch::empty({M, N}, xs.f.options());
+  by_rows<Mxfp4Rows>(M, N, 16, xs.even.data_ptr<float>(), xs.odd.data_ptr<float>(), K, packed.data_ptr<uint8_t>(),
                      scales.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
   return like_input(y, x);
 }
@@ -382,20 +401,6 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
 // all down products as another (two thread fork-joins per layer), each expert's weights read once for all its
 // tokens, each row computed exactly as gemv computes it.
 namespace {
-// Rows of inputs in the forms the kernels read: fp32, and for MXFP4 their even and odd elements apart.
-struct Inputs {
-  torch::Tensor f, even, odd;
-  Inputs(const torch::Tensor& x, bool mxfp4) : f(x.to(torch::kFloat).contiguous()) {
-    if (mxfp4) {
-      const auto pairs = f.view({f.size(0), f.size(1) / 2, 2});
-      even = pairs.select(2, 0).contiguous(), odd = pairs.select(2, 1).contiguous();
-    }
-  }
-  const float* row(const torch::Tensor& t, int64_t i) const {
-    return t.defined() ? t.data_ptr<float>() + i * t.size(1) : nullptr;
-  }
-};
-
 // The assignments [begin, end) of one expert: rows begin.. of the inputs and of the output.
 struct Group {
   int64_t expert, begin, end;
@@ -436,16 +441,7 @@ torch::Tensor experts_product(const std::vector<torch::Tensor>& w, const std::ve
       const Group& g = groups[t0 / N];
       const int64_t n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
       float* yg = out + g.begin * N;
-      switch (g.end - g.begin) {
-        case 1: group_rows<1>(w, g, x, n0, n1, yg); break;
-        case 2: group_rows<2>(w, g, x, n0, n1, yg); break;
-        case 3: group_rows<3>(w, g, x, n0, n1, yg); break;
-        case 4: group_rows<4>(w, g, x, n0, n1, yg); break;
-        case 5: group_rows<5>(w, g, x, n0, n1, yg); break;
-        case 6: group_rows<6>(w, g, x, n0, n1, yg); break;
-        case 7: group_rows<7>(w, g, x, n0, n1, yg); break;
-        default: group_rows<8>(w, g, x, n0, n1, yg); break;
-      }
+      with_rows(g.end - g.begin, [&](auto m) { group_rows<decltype(m)::value>(w, g, x, n0, n1, yg); });
       t0 += n1 - n0;
     }
   });
