@@ -91,6 +91,9 @@ def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
                    help="int8: weight-only int8 projections and experts, one scale per 32 inputs (llama.cpp's Q8_0)")
     p.add_argument("--tensor-parallel-size", type=integer(1), default=1,
                    help="ranks (processes) sharing the model; gloo on CPU, NCCL on CUDA; torchrun for several hosts")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the decode step eagerly (by default it is compiled with torch.compile on a CPU, "
+                        "during warmup; compiled graphs are cached under ~/.cache/deltaserve/inductor)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="decode one sequence per forward, so a sequence's logits never depend on what else is "
                         "batched (bf16 included); costs decode throughput")
@@ -102,7 +105,7 @@ def load_llm(args: argparse.Namespace, warmup: bool = False):
                chunk_size=args.chunk_size, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
                prefix_cache_bytes=args.prefix_cache_bytes, warmup=warmup,
                tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-               batch_invariant=args.batch_invariant)
+               batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager or None)
 
 
 def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, float]]:

@@ -14,6 +14,7 @@ from torch import nn
 from .chat import ChatTemplate
 from .checkpoint import load_into
 from .distributed import TP
+from .compiled import enforce_eager_default
 from .engine import Engine, Request
 from .layers.linear import quantize_module_weights
 from .models.registry import load_config
@@ -107,13 +108,17 @@ def make_runner(load: LoadConfig, num_slots: int, max_len: int, init_method: str
 
 
 class LLM:
-    """Load a checkpoint and generate. Calls on one LLM share its prefix cache."""
+    """Load a checkpoint and generate. Calls on one LLM share its prefix cache.
+
+    `enforce_eager` (vLLM's name): never compile the decode step (compiled.py). Unset, it is on when the
+    DELTASERVE_ENFORCE_EAGER environment variable is 1. `warmup` also compiles the decode step for every batch size
+    now, rather than at each size's first decode."""
 
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                  chunk_size: int = 64, hf_overrides: dict[str, Any] | None = None, max_num_seqs: int = 8,
                  prefill_tokens: int = 256, prefix_cache_bytes: int = 1 << 30, warmup: bool = False,
                  progress: bool | None = None, tensor_parallel_size: int = 1, quantization: str | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, enforce_eager: bool | None = None):
         load = LoadConfig(str(model), dtype, device, chunk_size, hf_overrides, quantization)
         spec, cfg = load_config(model, hf_overrides)
         spec.check_tp(cfg, tensor_parallel_size)                 # refuse before any process or weight
@@ -122,7 +127,8 @@ class LLM:
         self.max_model_len = context_length(cfg, max_model_len)
         if tensor_parallel_size == 1:
             self.model = load_model(load, progress)
-            self.runner: ModelRunner = ModelRunner(self.model, max_num_seqs, self.max_model_len)
+            eager = enforce_eager_default() if enforce_eager is None else enforce_eager
+            self.runner: ModelRunner = ModelRunner(self.model, max_num_seqs, self.max_model_len, not eager)
         else:
             size = tensor_parallel_size
             if device == "cpu":

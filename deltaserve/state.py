@@ -64,14 +64,22 @@ class StatePool:
 
 
 class StateView:
-    """The state of a batch: row b is slot `slots[b]`, which already holds `starts[b]` tokens."""
+    """The state of a batch: row b is slot `slots[b]`, which already holds `starts[b]` tokens. The same as tensors
+    (`slot_ids`, `positions`) for decode kernels that work in place on the pool, whose shapes then do not depend
+    on the slots or lengths (what a compiled decode step needs)."""
 
     def __init__(self, pool: StatePool, slots: list[int], starts: list[int]):
         self.pool, self.slots, self.starts = pool, slots, starts
         self.device = pool.device
+        self.slot_ids = torch.tensor(slots, device=self.device)
+        self.positions = torch.tensor(starts, device=self.device)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         self.rows = slice(slots[0], slots[0] + len(slots)) if contiguous else torch.tensor(slots, device=self.device)
         self._mask: tuple[int, torch.Tensor, int] | None = None
+
+    def pool_tensor(self, layer: int, name: str) -> torch.Tensor:
+        """All slots' state (name) of a layer, [slots, ...], for kernels that index it by `slot_ids`."""
+        return self.pool.tensors[layer, name]
 
     def get(self, layer: int, name: str) -> torch.Tensor:
         """A recurrent state of this batch [B, ...]: a view of the pool when the slots are contiguous (updates in

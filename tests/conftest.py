@@ -1,6 +1,11 @@
+import os
 import sys
 
 import pytest
+
+# Compiling the decode step costs seconds per model; tests that are not about it run eagerly (test_compiled.py
+# turns it on explicitly). Servers started by tests inherit this.
+os.environ.setdefault("DELTASERVE_ENFORCE_EAGER", "1")
 
 # transformers dispatches KDA to fla's GPU-only Triton kernels when fla is importable; keep it on its torch path.
 sys.modules["fla"] = None

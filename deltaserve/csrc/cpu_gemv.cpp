@@ -3,7 +3,8 @@
 // 32). Decode is memory-bound: each weight is read once for all M rows, widened to fp32 in registers (bf16: a
 // shift; MXFP4: a 16-entry table lookup by permute) and accumulated in fp32. Each row of y is computed by one
 // thread in a fixed order, so a row's result does not depend on M, on the other rows or on the thread count.
-#include <torch/extension.h>
+#include <torch/all.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -287,6 +288,7 @@ struct KdaArgs {
   int64_t B, H, K, W;
   int64_t proj_stride, gate_stride, beta_stride, f_stride;   // row strides of the projection slices
   int64_t conv_stride, state_stride;                          // slot strides of the conv window and the state
+  const int64_t* slots;                                       // row b's slot in the pools
   float lower_bound, eps, scale;
   bool per_channel, silu_gate;
 };
@@ -300,7 +302,7 @@ void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, co
   for (int part = 0; part < 3; ++part) {
     for (int64_t i = 0; i < K; ++i) {
       const int64_t c = part * P + h * K + i;
-      T* window = conv + b * a.conv_stride + c;                 // W-1 rows of 3P channels
+      T* window = conv + a.slots[b] * a.conv_stride + c;                 // W-1 rows of 3P channels
       const T fresh = proj[b * a.proj_stride + c];
       float acc = 0.f;
       for (int64_t j = 0; j < W - 1; ++j) acc += to_float(window[j * 3 * P]) * taps[c * W + j];
@@ -319,7 +321,7 @@ void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, co
   }
   for (int64_t i = 0; i < K; ++i) q[i] *= a.scale;
   const float beta = sigmoid(to_float(beta_logit[b * a.beta_stride + h]));
-  float* s = S + b * a.state_stride + h * K * K;                // [K keys][K values]
+  float* s = S + a.slots[b] * a.state_stride + h * K * K;                // [K keys][K values]
   std::vector<float> pred(K, 0.f), o(K, 0.f);
   for (int64_t r = 0; r < K; ++r) {
     const float fr = to_float(f[b * a.f_stride + h * K + r]) + dt_bias[h * K + r];
@@ -371,20 +373,25 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
                               const torch::Tensor& f, const torch::Tensor& dt_bias, const torch::Tensor& decay,
                               double lower_bound, const torch::Tensor& beta_logit, const torch::Tensor& z,
                               const torch::Tensor& o_norm, double eps, bool silu_gate, bool per_channel,
-                              torch::Tensor S) {
+                              torch::Tensor S, const torch::Tensor& slots) {
   const int64_t B = proj.size(0), H = S.size(1), K = S.size(2), W = taps.size(1);
   for (const auto* t : {&proj, &f, &beta_logit, &z})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->stride(1) == 1 && t->scalar_type() == proj.scalar_type(),
                 "projections must be [B, n] row slices of one dtype");
   TORCH_CHECK(conv.dim() == 3 && conv.size(1) == W - 1 && conv.stride(2) == 1 && conv.stride(1) == 3 * H * K &&
-              conv.scalar_type() == proj.scalar_type(), "conv window must be [B, W-1, 3P] in the activation dtype");
+              conv.scalar_type() == proj.scalar_type(), "conv windows must be [slots, W-1, 3P] in the activation dtype");
   TORCH_CHECK(S.dim() == 4 && S.size(3) == K && S.scalar_type() == torch::kFloat && S.stride(3) == 1 &&
-              S.stride(2) == K && S.stride(1) == K * K, "state must be [B, H, K, K] float32, each slot contiguous");
+              S.stride(2) == K && S.stride(1) == K * K, "states must be [slots, H, K, K] float32, each contiguous");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "slots must be int64 [B]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < std::min(conv.size(0), S.size(0)), "slot ", slot[b], " out of range");
   TORCH_CHECK(taps.scalar_type() == torch::kFloat && taps.is_contiguous() && taps.size(0) == 3 * H * K,
               "taps must be [3P, W] float32");
   TORCH_CHECK(decay.numel() == (per_channel ? K : H), "decay rates: one per ", per_channel ? "key channel" : "head");
   KdaArgs a{B, H, K, W, proj.stride(0), z.stride(0), beta_logit.stride(0), f.stride(0), conv.stride(0), S.stride(0),
-            float(lower_bound), float(eps), 1.f / std::sqrt(float(K)), per_channel, silu_gate};
+            slot, float(lower_bound), float(eps), 1.f / std::sqrt(float(K)), per_channel, silu_gate};
   auto tc = [](const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); };
   const auto dt = tc(dt_bias), dec = tc(decay), w = tc(o_norm);
   if (proj.scalar_type() == torch::kBFloat16)
@@ -408,7 +415,7 @@ struct Group {
 
 // Rows [n0, n1) of y[m] = W_e x[begin + m] for the M inputs of a group (each row as gemv computes it).
 template <int M>
-void group_rows(const std::vector<torch::Tensor>& w, const Group& g, const Inputs& x, int64_t n0, int64_t n1,
+void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, int64_t n1,
                 float* y) {
   const int64_t N = w[0].size(1), e = g.expert;
   const float* xf = x.row(x.f, g.begin);
@@ -428,7 +435,7 @@ void group_rows(const std::vector<torch::Tensor>& w, const Group& g, const Input
 
 // y[a] = W_{expert of a} x[a] for every assignment a: each expert's weights read once for all its rows, every
 // group in one parallel pass over their output rows; y [A, N] fp32.
-torch::Tensor experts_product(const std::vector<torch::Tensor>& w, const std::vector<Group>& groups,
+torch::Tensor experts_product(at::TensorList w, const std::vector<Group>& groups,
                               const Inputs& x) {
   const int64_t G = groups.size(), N = w[0].size(1);
   TORCH_CHECK(w[0].dim() == 3 && w[0].is_contiguous() && (w.size() == 1 || w[1].is_contiguous()),
@@ -450,7 +457,7 @@ torch::Tensor experts_product(const std::vector<torch::Tensor>& w, const std::ve
 }  // namespace
 
 torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, const torch::Tensor& weights,
-                             const std::vector<torch::Tensor>& w13, const std::vector<torch::Tensor>& w2, bool situ,
+                             at::TensorList w13, at::TensorList w2, bool situ,
                              double beta, double linear_beta) {
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= kMaxRows, "h must be [1..", kMaxRows, ", R]");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == h.size(0) && ids.scalar_type() == torch::kLong,
@@ -498,6 +505,96 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
   return out;
 }
 
+// One decode step of latent attention (MLA, absorbed form; layers/mla.py) for a batch whose rows live in cache slots:
+// writes row b's new latent at position positions[b] of slot slots[b], then attends over positions 0..positions[b]
+// of that slot. As the op-by-op form rounds: scores to the query's dtype, then scaled in it; softmax in fp32, the
+// probabilities rounded to the query's dtype; the context summed in fp32 and rounded once. Reading the cache in
+// place, per row's own length, is what lets a compiled decode step keep static shapes.
+namespace {
+inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline const float* raw(const float* p) { return p; }
+
+template <typename CT>
+float dot(const float* q, const CT* row, int64_t C) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= C; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load_widened(raw(row + c)), acc);
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; c < C; ++c) sum += q[c] * to_float(row[c]);
+  return sum;
+}
+
+template <typename CT>
+void add_scaled(float* acc, float p, const CT* row, int64_t n) {
+  const __m512 pv = _mm512_set1_ps(p);
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16)
+    _mm512_storeu_ps(acc + c, _mm512_fmadd_ps(pv, load_widened(raw(row + c)), _mm512_loadu_ps(acc + c)));
+  for (; c < n; ++c) acc[c] += p * to_float(row[c]);
+}
+
+template <typename QT, typename CT>
+void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots, const int64_t* positions, int64_t B,
+              int64_t H, int64_t C, int64_t slot_stride, float scale, int64_t rank, QT* out) {
+  for (int64_t b = 0; b < B; ++b) {
+    CT* at = cache + slots[b] * slot_stride + positions[b] * C;
+    for (int64_t c = 0; c < C; ++c) at[c] = CT(to_float(latent[b * C + c]));
+  }
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> q(C), p, ctx(rank);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, L = positions[b] + 1;
+      const CT* rows = cache + slots[b] * slot_stride;
+      for (int64_t c = 0; c < C; ++c) q[c] = to_float(query[t * C + c]);
+      p.resize(L);
+      float top = -INFINITY;
+      for (int64_t j = 0; j < L; ++j) {
+        p[j] = round_to<QT>(round_to<QT>(dot(q.data(), rows + j * C, C)) * scale);
+        top = std::max(top, p[j]);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - top));
+      std::fill(ctx.begin(), ctx.end(), 0.f);
+      for (int64_t j = 0; j < L; ++j) add_scaled(ctx.data(), round_to<QT>(p[j] / sum), rows + j * C, rank);
+      for (int64_t c = 0; c < rank; ++c) out[t * rank + c] = QT(ctx[c]);
+    }
+  });
+}
+}  // namespace
+
+torch::Tensor mla_decode(const torch::Tensor& query, torch::Tensor cache, const torch::Tensor& latent,
+                         const torch::Tensor& slots, const torch::Tensor& positions, double scale, int64_t rank) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, H, C]");
+  const int64_t B = query.size(0), H = query.size(1), C = query.size(2);
+  TORCH_CHECK(cache.dim() == 3 && cache.size(2) == C && cache.is_contiguous(), "cache must be contiguous [slots, L, C]");
+  TORCH_CHECK(latent.dim() == 2 && latent.size(0) == B && latent.size(1) == C && latent.is_contiguous() &&
+              latent.scalar_type() == query.scalar_type(), "latent must be contiguous [B, C] in the query's dtype");
+  TORCH_CHECK(rank > 0 && rank <= C, "rank must be in 1..C");
+  for (const auto* t : {&slots, &positions})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == torch::kLong && t->is_contiguous(),
+                "slots and positions must be int64 [B]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0) && pos[b] >= 0 && pos[b] < cache.size(1),
+                "slot ", slot[b], " / position ", pos[b], " outside the cache");
+  auto out = torch::empty({B, H, rank}, query.options());
+  const auto qt = query.scalar_type(), ct = cache.scalar_type();
+  TORCH_CHECK((qt == torch::kFloat || qt == torch::kBFloat16) && (ct == torch::kFloat || ct == torch::kBFloat16),
+              "query and cache must be float32 or bfloat16");
+  auto run = [&](auto q_type, auto c_type) {
+    using QT = decltype(q_type);
+    using CT = decltype(c_type);
+    mla_rows<QT, CT>(query.data_ptr<QT>(), cache.data_ptr<CT>(), latent.data_ptr<QT>(), slot, pos, B, H, C,
+                     cache.stride(0), float(scale), rank, out.data_ptr<QT>());
+  };
+  if (qt == torch::kFloat && ct == torch::kFloat) run(float{}, float{});
+  else if (qt == torch::kFloat) run(float{}, at::BFloat16{});
+  else if (ct == torch::kFloat) run(at::BFloat16{}, float{});
+  else run(at::BFloat16{}, at::BFloat16{});
+  return out;
+}
+
 // RMSNorm of a few rows as the Kimi family computes it: statistics in fp32, normalised values rounded to the input
 // dtype, then multiplied by the weight (in the input dtype, as `weight * x.to(dtype)` does).
 namespace {
@@ -529,11 +626,28 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("routed_experts", &routed_experts, "the routed experts of 1..8 tokens, as the op-by-op loop");
-  m.def("rms_norm", &rms_norm, "RMSNorm of rows: fp32 statistics, rounded to x's dtype, times the weight");
-  m.def("kda_decode_step", &kda_decode_step, "one fused KDA decode step, in place on the conv window and state");
-  m.def("gemv", &gemv, "y = x @ W^T for 1..8 rows of x [..., K], W float32 or bfloat16; y in x's dtype");
-  m.def("gemv_q8", &gemv_q8, "y = x @ (q * scales per 32)^T for 1..8 rows; y in x's dtype");
-  m.def("gemv_mxfp4", &gemv_mxfp4, "y = x @ dequant(packed, scales)^T for 1..8 rows; y in x's dtype");
+// Registered as operators (torch.ops.<this build's name>), so torch.compile sees them as single nodes; their
+// shape functions are in ops/cpu_kernels.py.
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv(Tensor x, Tensor W) -> Tensor");
+  m.def("gemv_q8(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("gemv_mxfp4(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("kda_decode_step(Tensor proj, Tensor(a!) conv, Tensor taps, Tensor f, Tensor dt_bias, Tensor decay, "
+        "float lower_bound, Tensor beta_logit, Tensor z, Tensor o_norm, float eps, bool silu_gate, bool per_channel, "
+        "Tensor(b!) state, Tensor slots) -> Tensor");
+  m.def("mla_decode(Tensor query, Tensor(a!) cache, Tensor latent, Tensor slots, Tensor positions, float scale, "
+        "int rank) -> Tensor");
+  m.def("routed_experts(Tensor h, Tensor ids, Tensor weights, Tensor[] w13, Tensor[] w2, bool situ, float beta, "
+        "float linear_beta) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("gemv_q8", &gemv_q8);
+  m.impl("gemv_mxfp4", &gemv_mxfp4);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("kda_decode_step", &kda_decode_step);
+  m.impl("routed_experts", &routed_experts);
+  m.impl("mla_decode", &mla_decode);
 }

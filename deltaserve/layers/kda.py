@@ -114,14 +114,12 @@ class KimiDeltaAttention(nn.Module):
 
     def decode_fused(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         """The T = 1 path of `forward` with everything between the projections in one CPU kernel (same math and
-        roundings; see csrc/cpu_gemv.cpp)."""
+        roundings; see csrc/cpu_gemv.cpp), in place on the pool's slots."""
         qkv, f_a, g, b = linear(x[:, 0], self.in_proj).split([3 * self.P, self.K, self.split[2], self.H], dim=-1)
         f = linear(f_a, self.f_b)
         z = g if self.full_rank_gate else linear(g, self.g_b)
-        conv, recurrent = state.get(self.layer, "conv"), state.get(self.layer, "recurrent")
-        o = self.fused_step.kda_decode_step(qkv, conv, self.taps_2d, f, self.dt_bias, self.decay_rate,
-                                            self.bound or 0.0, b, z, self.o_norm, self.eps,
-                                            self.gate_activation == "silu", self.per_channel, recurrent)
-        state.put(self.layer, "conv", conv)
-        state.put(self.layer, "recurrent", recurrent)
+        o = self.fused_step.kda_decode_step(qkv, state.pool_tensor(self.layer, "conv"), self.taps_2d, f, self.dt_bias,
+                                            self.decay_rate, self.bound or 0.0, b, z, self.o_norm, self.eps,
+                                            self.gate_activation == "silu", self.per_channel,
+                                            state.pool_tensor(self.layer, "recurrent"), state.slot_ids)
         return linear(o, self.o_proj).unsqueeze(1)

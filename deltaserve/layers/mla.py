@@ -13,6 +13,7 @@ from torch import nn
 from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..models.spec import StateSpec
+from ..ops.cpu_kernels import kernels
 from ..state import StateView
 from .linear import linear, matmul, product_dtype
 from .mlp import param
@@ -64,6 +65,7 @@ class MLAttention(nn.Module):
         dtype = product_dtype(self.dtype, self.kv_b_proj.device)
         self.w_uk = w_kv[:, :self.nope].to(dtype).contiguous()                              # [H, nope, r]
         self.w_uv_t = w_kv[:, self.nope:].transpose(1, 2).to(dtype).contiguous()            # [H, r, v]
+        self.fused_step = kernels() if self.kv_b_proj.device.type == "cpu" else None     # decode attention as one op
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
@@ -73,9 +75,14 @@ class MLAttention(nn.Module):
             q = linear(self.q_a_layernorm(q), self.q_b_proj)
         q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)            # [B, H, T, 192]
         latent = torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
-        cache, mask = state.append(self.layer, "latent", latent)               # [B, L, r + rope], [B, 1, T, L]
         query = torch.cat((matmul(q[..., :self.nope], self.w_uk), q[..., self.nope:]), dim=-1)   # [B, H, T, r + rope]
-        ctx = latent_attention(query, cache, mask, self.scale, self.rank)       # [B, H, T, r]
+        if T == 1 and self.fused_step is not None:     # in place on the pool's slots (csrc/cpu_gemv.cpp)
+            ctx = self.fused_step.mla_decode(query[:, :, 0].contiguous(), state.pool_tensor(self.layer, "latent"),
+                                             latent[:, 0].contiguous(), state.slot_ids, state.positions, self.scale,
+                                             self.rank).unsqueeze(2)
+        else:
+            cache, mask = state.append(self.layer, "latent", latent)           # [B, L, r + rope], [B, 1, T, L]
+            ctx = latent_attention(query, cache, mask, self.scale, self.rank)   # [B, H, T, r]
         out = matmul(ctx, self.w_uv_t).transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.gate_width:
             out = out * torch.sigmoid(gate)

@@ -5,12 +5,11 @@ a request waits. Absent (None) on CPUs without AVX-512, where the build fails, o
 callers then use PyTorch's own ops."""
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -22,16 +21,48 @@ MAX_ROWS = 8
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
 
 
-@functools.cache
-def kernels() -> ModuleType | None:
+_loaded: dict[str, Any] = {}      # a plain dict, not functools.cache: torch.compile reads it without a graph break
+
+
+def kernels() -> Any:
+    """The operators' namespace, torch.ops.<build name> (gemv, gemv_q8, gemv_mxfp4, rms_norm, kda_decode_step,
+    mla_decode, routed_experts), or None."""
+    if "ops" not in _loaded:
+        _loaded["ops"] = _load()
+    return _loaded["ops"]
+
+
+def _load() -> Any:
     if os.environ.get("DELTASERVE_CPU_KERNELS", "1") == "0" or not torch.cpu._is_avx512_supported():
         return None
     from torch.utils.cpp_extension import load
     # one build per source version, so installs (and checkouts) of different versions never rebuild over each other
     name = "deltaserve_cpu_gemv_" + hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
     try:
-        return load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
+             verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler or headers: serve with PyTorch's ops instead
         print(f"deltaserve: CPU decode kernels unavailable ({type(e).__name__}: {e}); using PyTorch's ops",
               file=sys.stderr)
         return None
+    _register_shapes(name)
+    return getattr(torch.ops, name)
+
+
+def _rows_out(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], n)
+
+
+def _register_shapes(ns: str) -> None:
+    """Output shapes and dtypes of each operator, for tracing (torch.compile) without running it."""
+    fake = lambda op: torch.library.register_fake(f"{ns}::{op}")
+    fake("gemv")(lambda x, W: _rows_out(x, W.shape[0]))
+    fake("gemv_q8")(lambda x, q, scales: _rows_out(x, q.shape[0]))
+    fake("gemv_mxfp4")(lambda x, packed, scales: _rows_out(x, packed.shape[0]))
+    fake("rms_norm")(lambda x, weight, eps: torch.empty_like(x, memory_format=torch.contiguous_format))
+    fake("kda_decode_step")(lambda proj, conv, taps, f, dt_bias, decay, lower_bound, beta_logit, z, o_norm, eps,
+                            silu_gate, per_channel, state, slots:
+                            proj.new_empty(proj.shape[0], state.shape[1] * state.shape[2]))
+    fake("mla_decode")(lambda query, cache, latent, slots, positions, scale, rank:
+                       query.new_empty(*query.shape[:2], rank))
+    fake("routed_experts")(lambda h, ids, weights, w13, w2, situ, beta, linear_beta: torch.empty_like(h))

@@ -1,0 +1,76 @@
+"""The compiled decode step (deltaserve/compiled.py): equal to the eager step, compiled during warmup for every
+batch size, never recompiled while serving, and a failed compile falls back to eager."""
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+
+
+def decode_both_ways(llm: LLM, batch: int, steps: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of `steps` decode steps of `batch` sequences (different lengths, non-contiguous slots), compiled and
+    eager, each from the same state, the same tokens fed."""
+    runner = llm.runner
+    slots = list(range(batch))[::-1]
+    prompts = [list(range(3 + 5 * i, 20 + 9 * i)) for i in range(batch)]
+    for slot, p in zip(slots, prompts):
+        runner.reset(slot)
+        runner.forward([p], [slot], [0])
+    saved = {k: v.clone() for k, v in runner.pool.tensors.items()}
+    feed = torch.randint(1, llm.cfg.vocab_size, (steps, batch), generator=torch.Generator().manual_seed(batch))
+    out = []
+    for compiled in (True, False):
+        for k, v in runner.pool.tensors.items():
+            v.copy_(saved[k])
+        compiled_step = runner.compiled
+        runner.compiled = compiled_step if compiled else None
+        out.append(torch.stack([runner.forward([[t] for t in feed[i].tolist()], slots, [len(p) + i for p in prompts])
+                                for i in range(steps)]))
+        runner.compiled = compiled_step
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_decode_equals_eager(tiny_dir, dtype):
+    llm = LLM(tiny_dir, dtype=dtype, enforce_eager=False)
+    if llm.runner.compiled is None:
+        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+    for batch in (1, 3, 8):
+        compiled, eager = decode_both_ways(llm, batch)
+        assert not llm.runner.compiled.failed
+        if dtype == "float32":
+            assert (compiled - eager).abs().max() <= 1e-4
+        else:
+            assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
+            assert (compiled - eager).abs().max() <= 0.05
+    assert set(llm.runner.compiled.compile_seconds) == {1, 2}     # one graph for one row, one for 2..8
+
+
+def test_warmup_compiles_and_serving_never_recompiles(tiny_dir):
+    llm = LLM(tiny_dir, warmup=True, enforce_eager=False)
+    if llm.runner.compiled is None:
+        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+    assert set(llm.runner.compiled.compile_seconds) == {1, 2}
+    counters = torch._dynamo.utils.counters
+    graphs = counters["stats"]["unique_graphs"]
+    for n, length in ((1, 5), (3, 40), (8, 17), (2, 130), (5, 1)):
+        prompts = [list(range(7 + i, 7 + i + length)) for i in range(n)]
+        out = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.7, seed=n, ignore_eos=True))
+        assert all(len(o.token_ids) == 4 for o in out)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not llm.runner.compiled.failed
+
+
+def test_enforce_eager_and_a_failed_compile_run_eagerly(tiny_dir, monkeypatch, capsys):
+    assert LLM(tiny_dir, enforce_eager=True).runner.compiled is None
+    llm = LLM(tiny_dir, enforce_eager=False)
+    if llm.runner.compiled is None:
+        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+    expected = LLM(tiny_dir, enforce_eager=True).generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(llm.runner.compiled, "step", broken)
+    got = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+    assert got[0].token_ids == expected[0].token_ids
+    assert llm.runner.compiled.failed
+    assert "compiling the decode step failed (RuntimeError: no compiler); running eagerly" in capsys.readouterr().err
