@@ -84,6 +84,47 @@ def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, dtype):
     assert (outputs[True] - outputs[False]).abs().max() <= tol
 
 
+@pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                     (torch.bfloat16, torch.bfloat16)])
+def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype):
+    """The MLA decode kernel (write the new latent in place, attend over the slot's own length) vs the op-by-op
+    attention over the gathered cache with its mask, for rows of different lengths in non-contiguous slots."""
+    from deltaserve.layers.mla import latent_attention
+    from deltaserve.state import StatePool
+    from deltaserve.models.spec import StateSpec
+    g = torch.Generator().manual_seed(3)
+    H, rank, rope, slots, starts = 4, 40, 8, [5, 0, 2], [0, 37, 300]
+    pool = StatePool({0: {"latent": StateSpec((rank + rope,), cache_dtype, per_token=True)}}, 6, 400)
+    pool.tensors[0, "latent"].copy_(torch.randn(6, 400, rank + rope, generator=g))
+    query = torch.randn(3, H, 1, rank + rope, generator=g).to(query_dtype)
+    latent = torch.randn(3, 1, rank + rope, generator=g).to(query_dtype)
+    saved = pool.tensors[0, "latent"].clone()
+    cache, mask = pool.view(slots, starts).append(0, "latent", latent)
+    ref = latent_attention(query, cache, mask, 0.3, rank)
+    expected_pool = pool.tensors[0, "latent"].clone()
+    pool.tensors[0, "latent"].copy_(saved)
+    view = pool.view(slots, starts)
+    got = k.mla_decode(query[:, :, 0].contiguous(), pool.tensors[0, "latent"], latent[:, 0].contiguous(),
+                       view.slot_ids, view.positions, 0.3, rank)
+    assert torch.equal(pool.tensors[0, "latent"], expected_pool)
+    assert got.dtype == query_dtype and got.shape == (3, H, rank)
+    tol = 1e-5 if query_dtype == torch.float32 else 2e-2      # bf16: an ulp of the rounded probabilities and output
+    assert (got.float() - ref[:, :, 0].float()).abs().max() <= tol
+
+
+def test_decode_kernels_refuse_bad_slots():
+    cache = torch.zeros(2, 8, 16)
+    q, latent = torch.zeros(2, 1, 16), torch.zeros(2, 16)
+    run = lambda slots, positions: k.mla_decode(q, cache, latent, torch.tensor(slots), torch.tensor(positions), 1.0, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run([0, 2], [0, 0])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run([0, 1], [0, 8])
+    with pytest.raises(RuntimeError, match="appears twice"):
+        run([1, 1], [0, 3])
+    assert torch.equal(cache, torch.zeros(2, 8, 16))         # refused before writing anything
+
+
 @pytest.mark.parametrize("variant", ["bf16", "int8", "mxfp4", "situ"])
 def test_routed_experts_kernel_equals_the_op_by_op_loop(variant, monkeypatch):
     """1, 3 and 8 tokens (decode batches): the kernel gives the op-by-op loop's result bit for bit."""

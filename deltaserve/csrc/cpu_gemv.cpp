@@ -281,6 +281,12 @@ namespace {
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return float(v); }
 template <typename T> inline float round_to(float v) { return to_float(T(v)); }
+
+// Rows updating the same slot in place would race (and the op-by-op path would keep only one of them).
+inline void check_distinct(const int64_t* slots, int64_t B) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 0; c < b; ++c) TORCH_CHECK(slots[b] != slots[c], "slot ", slots[b], " appears twice in a batch");
+}
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
@@ -387,6 +393,7 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < std::min(conv.size(0), S.size(0)), "slot ", slot[b], " out of range");
+  check_distinct(slot, B);
   TORCH_CHECK(taps.scalar_type() == torch::kFloat && taps.is_contiguous() && taps.size(0) == 3 * H * K,
               "taps must be [3P, W] float32");
   TORCH_CHECK(decay.numel() == (per_channel ? K : H), "decay rates: one per ", per_channel ? "key channel" : "head");
@@ -514,49 +521,87 @@ namespace {
 inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline const float* raw(const float* p) { return p; }
 
+// out[h] = q[h] . row for the H query rows q [H, C]: four heads at a time share each load of the row and keep four
+// independent FMA chains; each head's sum is the same sequence of operations whichever group it is in.
 template <typename CT>
-float dot(const float* q, const CT* row, int64_t C) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 16 <= C; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load_widened(raw(row + c)), acc);
-  float sum = _mm512_reduce_add_ps(acc);
-  for (; c < C; ++c) sum += q[c] * to_float(row[c]);
-  return sum;
-}
-
-template <typename CT>
-void add_scaled(float* acc, float p, const CT* row, int64_t n) {
-  const __m512 pv = _mm512_set1_ps(p);
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16)
-    _mm512_storeu_ps(acc + c, _mm512_fmadd_ps(pv, load_widened(raw(row + c)), _mm512_loadu_ps(acc + c)));
-  for (; c < n; ++c) acc[c] += p * to_float(row[c]);
+void dots(const float* q, int64_t H, int64_t C, const CT* row, float* out) {
+  constexpr int G = 4;
+  for (int64_t h0 = 0; h0 < H; h0 += G) {
+    const int g = int(std::min<int64_t>(G, H - h0));
+    __m512 acc[G] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t c = 0;
+    for (; c + 16 <= C; c += 16) {
+      const __m512 v = load_widened(raw(row + c));
+      for (int i = 0; i < g; ++i) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (h0 + i) * C + c), v, acc[i]);
+    }
+    for (int i = 0; i < g; ++i) {
+      float sum = _mm512_reduce_add_ps(acc[i]);
+      for (int64_t k = c; k < C; ++k) sum += q[(h0 + i) * C + k] * to_float(row[k]);
+      out[h0 + i] = sum;
+    }
+  }
 }
 
 template <typename QT, typename CT>
 void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots, const int64_t* positions, int64_t B,
               int64_t H, int64_t C, int64_t slot_stride, float scale, int64_t rank, QT* out) {
+  int64_t Lmax = 0;
   for (int64_t b = 0; b < B; ++b) {
     CT* at = cache + slots[b] * slot_stride + positions[b] * C;
     for (int64_t c = 0; c < C; ++c) at[c] = CT(to_float(latent[b * C + c]));
+    Lmax = std::max(Lmax, positions[b] + 1);
   }
-  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> q(C), p, ctx(rank);
+  auto row_of = [&](int64_t b, int64_t j) { return cache + slots[b] * slot_stride + j * C; };
+  std::vector<float> q(B * H * C), p(B * Lmax * H);     // queries in fp32; scores, then probabilities [B, Lmax, H]
+  for (int64_t i = 0; i < B * H * C; ++i) q[i] = to_float(query[i]);
+  // scores: a task is 16 positions of one row, every head, so each cache row is read once for all heads
+  constexpr int64_t kBlock = 16;
+  const int64_t blocks = (Lmax + kBlock - 1) / kBlock;
+  at::parallel_for(0, B * blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / blocks, j0 = t % blocks * kBlock, j1 = std::min(j0 + kBlock, positions[b] + 1);
+      for (int64_t j = j0; j < j1; ++j) {
+        float* s = &p[(b * Lmax + j) * H];
+        dots(&q[b * H * C], H, C, row_of(b, j), s);
+        for (int64_t h = 0; h < H; ++h) s[h] = round_to<QT>(round_to<QT>(s[h]) * scale);
+      }
+    }
+  });
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {     // softmax as torch's: exp(x - max) * (1 / sum)
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / H, L = positions[b] + 1;
-      const CT* rows = cache + slots[b] * slot_stride;
-      for (int64_t c = 0; c < C; ++c) q[c] = to_float(query[t * C + c]);
-      p.resize(L);
-      float top = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) {
-        p[j] = round_to<QT>(round_to<QT>(dot(q.data(), rows + j * C, C)) * scale);
-        top = std::max(top, p[j]);
+      float* s = &p[b * Lmax * H + t % H];                         // one head's scores, H apart
+      float top = -INFINITY, sum = 0.f;
+      for (int64_t j = 0; j < L; ++j) top = std::max(top, s[j * H]);
+      for (int64_t j = 0; j < L; ++j) sum += (s[j * H] = std::exp(s[j * H] - top));
+      const float inv = 1.f / sum;
+      for (int64_t j = 0; j < L; ++j) s[j * H] = round_to<QT>(s[j * H] * inv);
+    }
+  });
+  // context: a task is 16 latent columns of one row, every head, so each cache row is read once more in all
+  const int64_t col_blocks = (rank + kBlock - 1) / kBlock;
+  at::parallel_for(0, B * col_blocks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<__m512> acc(H);
+    alignas(64) float part[kBlock] = {}, sums[kBlock];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / col_blocks, c0 = t % col_blocks * kBlock, n = std::min(kBlock, rank - c0);
+      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+      for (int64_t j = 0; j <= positions[b]; ++j) {
+        const CT* row = row_of(b, j) + c0;
+        __m512 v;
+        if (n == kBlock) {
+          v = load_widened(raw(row));
+        } else {                                       // a last partial block: lanes past n stay zero
+          for (int64_t k = 0; k < n; ++k) part[k] = to_float(row[k]);
+          v = _mm512_load_ps(part);
+        }
+        const float* pj = &p[(b * Lmax + j) * H];
+        for (int64_t h = 0; h < H; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(pj[h]), v, acc[h]);
       }
-      float sum = 0.f;
-      for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - top));
-      std::fill(ctx.begin(), ctx.end(), 0.f);
-      for (int64_t j = 0; j < L; ++j) add_scaled(ctx.data(), round_to<QT>(p[j] / sum), rows + j * C, rank);
-      for (int64_t c = 0; c < rank; ++c) out[t * rank + c] = QT(ctx[c]);
+      for (int64_t h = 0; h < H; ++h) {
+        _mm512_store_ps(sums, acc[h]);
+        for (int64_t k = 0; k < n; ++k) out[(b * H + h) * rank + c0 + k] = QT(sums[k]);
+      }
     }
   });
 }
@@ -578,6 +623,7 @@ torch::Tensor mla_decode(const torch::Tensor& query, torch::Tensor cache, const 
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0) && pos[b] >= 0 && pos[b] < cache.size(1),
                 "slot ", slot[b], " / position ", pos[b], " outside the cache");
+  check_distinct(slot, B);
   auto out = torch::empty({B, H, rank}, query.options());
   const auto qt = query.scalar_type(), ct = cache.scalar_type();
   TORCH_CHECK((qt == torch::kFloat || qt == torch::kBFloat16) && (ct == torch::kFloat || ct == torch::kBFloat16),
@@ -588,8 +634,8 @@ torch::Tensor mla_decode(const torch::Tensor& query, torch::Tensor cache, const 
     mla_rows<QT, CT>(query.data_ptr<QT>(), cache.data_ptr<CT>(), latent.data_ptr<QT>(), slot, pos, B, H, C,
                      cache.stride(0), float(scale), rank, out.data_ptr<QT>());
   };
-  if (qt == torch::kFloat && ct == torch::kFloat) run(float{}, float{});
-  else if (qt == torch::kFloat) run(float{}, at::BFloat16{});
+  TORCH_CHECK(!(qt == torch::kFloat && ct == torch::kBFloat16), "an fp32 query needs an fp32 cache");
+  if (qt == torch::kFloat) run(float{}, float{});
   else if (ct == torch::kFloat) run(at::BFloat16{}, float{});
   else run(at::BFloat16{}, at::BFloat16{});
   return out;

@@ -16,7 +16,7 @@ from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..models.spec import StateSpec
 from ..ops.delta_rule import l2norm
-from ..ops.cpu_kernels import kernels
+from ..ops.cpu_kernels import fused_decode, kernels
 from ..ops.kda import kda_kernels
 from ..state import StateView
 from .linear import linear
@@ -86,7 +86,7 @@ class KimiDeltaAttention(nn.Module):
         self.decay_rate = a.exp() if self.per_channel else a[self.heads].exp().view(self.H, 1)
         self.taps = self.conv.float()
         self.chunk_kernel, self.recurrent_kernel = kda_kernels(self.conv.device.type, self.chunk_size)
-        self.fused_step = kernels() if self.conv.device.type == "cpu" else None     # the decode step as one op
+        self.fused_step = kernels() if fused_decode(self.conv) else None     # the decode step as one op
         self.taps_2d = self.taps.squeeze(1).contiguous()
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:

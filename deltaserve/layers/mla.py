@@ -13,7 +13,7 @@ from torch import nn
 from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..models.spec import StateSpec
-from ..ops.cpu_kernels import kernels
+from ..ops.cpu_kernels import fused_decode, kernels
 from ..state import StateView
 from .linear import linear, matmul, product_dtype
 from .mlp import param
@@ -65,7 +65,7 @@ class MLAttention(nn.Module):
         dtype = product_dtype(self.dtype, self.kv_b_proj.device)
         self.w_uk = w_kv[:, :self.nope].to(dtype).contiguous()                              # [H, nope, r]
         self.w_uv_t = w_kv[:, self.nope:].transpose(1, 2).to(dtype).contiguous()            # [H, r, v]
-        self.fused_step = kernels() if self.kv_b_proj.device.type == "cpu" else None     # decode attention as one op
+        self.fused_step = kernels() if fused_decode(self.kv_b_proj) else None     # decode attention as one op
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape

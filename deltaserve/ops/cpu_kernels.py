@@ -49,13 +49,19 @@ def _load() -> Any:
     return getattr(torch.ops, name)
 
 
+def fused_decode(weight: torch.Tensor) -> bool:
+    """Whether a layer with this weight decodes through the fused kernels: on a CPU, in fp32 or bf16."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+
+
 def _rows_out(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], n)
 
 
 def _register_shapes(ns: str) -> None:
     """Output shapes and dtypes of each operator, for tracing (torch.compile) without running it."""
-    fake = lambda op: torch.library.register_fake(f"{ns}::{op}")
+    def fake(op: str):
+        return torch.library.register_fake(f"{ns}::{op}")
     fake("gemv")(lambda x, W: _rows_out(x, W.shape[0]))
     fake("gemv_q8")(lambda x, q, scales: _rows_out(x, q.shape[0]))
     fake("gemv_mxfp4")(lambda x, packed, scales: _rows_out(x, packed.shape[0]))
