@@ -426,17 +426,18 @@ void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, i
                 float* y) {
   const int64_t N = w[0].size(1), e = g.expert;
   const float* xf = x.row(x.f, g.begin);
+  auto of = [&](int i) { return static_cast<const char*>(w[i].data_ptr()) + e * w[i].stride(0) * w[i].element_size(); };
   if (w.size() == 1) {
     const int64_t K = w[0].size(2);
     if (w[0].scalar_type() == torch::kBFloat16)
-      dense_rows<uint16_t, M>(xf, K, (const uint16_t*)w[0][e].data_ptr(), n0, n1, y, N);
+      dense_rows<uint16_t, M>(xf, K, (const uint16_t*)of(0), n0, n1, y, N);
     else
-      dense_rows<float, M>(xf, K, w[0][e].data_ptr<float>(), n0, n1, y, N);
+      dense_rows<float, M>(xf, K, (const float*)of(0), n0, n1, y, N);
   } else if (w[0].scalar_type() == torch::kByte) {
-    mxfp4_rows<M>(x.row(x.even, g.begin), x.row(x.odd, g.begin), w[0].size(2) * 2, w[0][e].data_ptr<uint8_t>(),
-                  w[1][e].data_ptr<uint8_t>(), n0, n1, y, N);
+    mxfp4_rows<M>(x.row(x.even, g.begin), x.row(x.odd, g.begin), w[0].size(2) * 2, (const uint8_t*)of(0),
+                  (const uint8_t*)of(1), n0, n1, y, N);
   } else {
-    q8_rows<M>(xf, w[0].size(2), w[0][e].data_ptr<int8_t>(), w[1][e].data_ptr<float>(), n0, n1, y, N);
+    q8_rows<M>(xf, w[0].size(2), (const int8_t*)of(0), (const float*)of(1), n0, n1, y, N);
   }
 }
 
@@ -501,14 +502,26 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
       at::mul_out(into, torch::silu(gate), up);
     }
   }
-  const auto down = experts_product(w2, groups, Inputs(act, mxfp4)).to(dtype);
-  // elementwise, so over all rows at once; then one index_add_ per expert in ascending order, as the loop does (a
-  // single call would sum a token's experts in fp32 and round once, where the loop rounds after each)
-  const auto order = torch::tensor(slots, torch::kLong);
-  const auto y = (down * weights.flatten().index_select(0, order).unsqueeze(1)).to(dtype);
+  const auto down = experts_product(w2, groups, Inputs(act, mxfp4));            // fp32 [A, R]
+  // each assignment in expert order, rounded where the loop rounds: the product to h's dtype, times the routing
+  // weight in fp32, rounded, then added to its token's running sum in h's dtype (the loop's index_add_ per expert;
+  // summing a token's experts in fp32 and rounding once would differ)
   auto out = torch::zeros_like(h);
-  for (const auto& g : groups)
-    out.index_add_(0, tokens.narrow(0, g.begin, g.end - g.begin), y.narrow(0, g.begin, g.end - g.begin));
+  const int64_t R = h.size(1);
+  const auto w = weights.contiguous();
+  const float* wf = w.data_ptr<float>();
+  const float* d = down.data_ptr<float>();
+  auto accumulate = [&](auto zero) {
+    using T = decltype(zero);
+    T* o = out.data_ptr<T>();
+    for (int64_t a = 0; a < A; ++a) {
+      T* sum = o + token[a] * R;
+      const float* da = d + a * R;
+      for (int64_t c = 0; c < R; ++c) sum[c] = T(to_float(sum[c]) + round_to<T>(round_to<T>(da[c]) * wf[slots[a]]));
+    }
+  };
+  if (dtype == torch::kBFloat16) accumulate(at::BFloat16{});
+  else accumulate(float{});
   return out;
 }
 
