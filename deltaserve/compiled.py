@@ -1,25 +1,30 @@
-"""The compiled decode step: torch.compile (inductor) of one decode step of 1..8 sequences on a CPU, in two graphs,
-one for a single sequence and one for 2..8 (the batch dimension symbolic), each compiled at its first decode (the
-engine's warmup decodes at every batch size, so a server never compiles while a request waits).
+"""The compiled model on a CPU (torch.compile, inductor): the decode step of 1..8 sequences, and the part of a
+chunked KDA prefill that is parallel over chunks. Each runs through two graphs, one for a single row (one sequence,
+or one chunk) and one for 2..8 sequences or 2+ chunks (that dimension symbolic), compiled at its first use; the
+engine's warmup uses all four, so a server never compiles while a request waits.
 
-What it compiles to: the model's own operators (the decode kernels of csrc/cpu_gemv.cpp, registered with torch)
-called from one generated C++ function, with the small ops between them fused into inductor's C++ loops; the
-per-module Python of an eager step is gone. No shape depends on the slots or the sequence lengths: the kernels read
-and write the state pool in place by slot index (state.py `slot_ids`, `positions`).
-Roundings follow eager (inductor's `emulate_precision_casts`): bf16 logits equal eager's bit for bit at batch 1.
-Compiled graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, default ~/.cache/deltaserve/inductor),
-so a restart recompiles only the Python-level trace. Turned off by `enforce_eager` (CLI `--enforce-eager`).
+Decode compiles to the model's own operators (the kernels of csrc/cpu_gemv.cpp, registered with torch) called from
+one generated C++ function, with the small ops between them fused into inductor's C++ loops; the per-module Python
+of an eager step is gone. No shape depends on the slots or the sequence lengths: the kernels read and write the
+state pool in place by slot index (state.py `slot_ids`, `positions`). The prefill part (ops/delta_rule.py
+`chunk_prepare`) fuses the intra-chunk decay products, which eagerly take several passes over [C, C, K] tensors.
+Roundings follow eager (inductor's `emulate_precision_casts`): bf16 decode logits equal eager's bit for bit at
+batch 1. Compiled graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, default
+~/.cache/deltaserve/inductor), so a restart redoes only the Python-level trace. Off with `enforce_eager`.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from .ops import delta_rule
 from .ops.cpu_kernels import MAX_ROWS, kernels
 from .state import StateView
 
@@ -29,46 +34,85 @@ def enforce_eager_default() -> bool:
     return os.environ.get("DELTASERVE_ENFORCE_EAGER", "0") == "1"
 
 
-GRAPHS_PER_PROCESS = 64    # dynamo's cache entries for the step: two per model, room for several models (tests)
+MAX_CHUNKS = 1 << 16        # the symbolic chunk count's bound (a prefill chunk of 4M tokens at chunk size 64)
+GRAPHS_PER_PROCESS = 64    # dynamo's cache entries per compiled function: two per model, room for several (tests)
 
 
 def can_compile(model: nn.Module) -> bool:
-    """Compiled decode needs the CPU decode kernels for every decode-time op of the model (their in-place,
+    """The compiled decode step needs the CPU decode kernels for every decode-time op of the model (their in-place,
     slot-indexed state updates; no host-side expert grouping) and one process."""
     return (next(model.parameters()).device.type == "cpu" and kernels() is not None and model.tp.size == 1
             and model.dtype in (torch.float32, torch.bfloat16) and not model.cfg.expert_input_mxfp8)
 
 
-class CompiledDecode:
+class Compiled:
+    """`fn` through torch.compile, one graph per key the caller gives (which shapes it covers), compiled at the key's
+    first call; a key whose compile fails is reported once and then returns None, so the caller runs eagerly."""
+
+    def __init__(self, what: str, fn: Callable[..., Any]):
+        self.what = what
+        # cpp_wrapper: the generated code calls its kernels from C++, not Python (decode measured 13-23% faster than
+        # eager on bench-s, vs 7-10% with inductor's Python wrapper)
+        self.step = torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True, "cpp_wrapper": True})
+        self.compile_seconds: dict[int, float] = {}     # key -> its compiling call
+        self.failed: set[int] = set()
+
+    def __call__(self, key: int, *args: Any, **kwargs: Any) -> Any:
+        if key in self.compile_seconds:
+            return self.step(*args, **kwargs)
+        if key in self.failed:
+            return None
+        t0 = time.perf_counter()
+        try:
+            out = self.step(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:   # tracing or inductor (e.g. no C++ compiler): nothing
+            print(f"deltaserve: compiling the {self.what} failed ({type(e).__name__}: {str(e)[:300]}); "  # ran yet
+                  "running it eagerly", file=sys.stderr)
+            self.failed.add(key)
+            return None
+        self.compile_seconds[key] = time.perf_counter() - t0
+        return out
+
+
+def _symbolic(tensors: tuple[torch.Tensor, ...], dim: int, size: int, most: int) -> int:
+    """Mark `dim` of each tensor symbolic for sizes 2..most: one graph for all of them (size 1 is its own graph, as
+    torch specialises it); returns the graph key, 1 or 2."""
+    if size > 1:
+        for t in tensors:
+            torch._dynamo.mark_dynamic(t, dim, min=2, max=most)
+    return min(size, 2)
+
+
+class CompiledModel:
+    """The compiled parts of one model: `decode` (the model's forward for one new token per row) and `prefill`
+    (chunk_prepare, installed into the model's CPU chunk kernels)."""
+
     def __init__(self, model: nn.Module):
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve" / "inductor"
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_PROCESS)
-        # cpp_wrapper: the generated step calls its kernels from C++, not Python (measured 13-23% faster than
-        # eager on bench-s vs 7-10% with inductor's Python wrapper)
-        self.step = torch.compile(model, fullgraph=True, options={"emulate_precision_casts": True, "cpp_wrapper": True})
-        self.compile_seconds: dict[int, float] = {}     # graph (1: one sequence, 2: 2..8) -> its compiling call
-        self.failed: set[int] = set()                   # graphs that could not be compiled
+        self.decode = Compiled("decode step", model)
+        self.prefill = Compiled("prefill chunk", delta_rule.chunk_prepare)
+        for module in model.modules():            # the CPU chunk kernel (ops/kda.py) takes the compiled part
+            kernel = getattr(module, "chunk_kernel", None)
+            if isinstance(kernel, functools.partial) and kernel.func is delta_rule.chunk_kda:
+                module.chunk_kernel = functools.partial(kernel, prepare=self.chunk_prepare)
 
-    def applies(self, tokens: torch.Tensor) -> bool:
-        return tokens.shape[1] == 1 and tokens.shape[0] <= MAX_ROWS and min(tokens.shape[0], 2) not in self.failed
-
-    def __call__(self, tokens: torch.Tensor, state: StateView) -> torch.Tensor | None:
-        """Logits of each row's next token, [B, vocab]; None when compiling failed (the caller runs eagerly)."""
+    def decodes(self, tokens: torch.Tensor) -> bool:
         batch = tokens.shape[0]
-        graph = min(batch, 2)
-        if batch > 1:            # one graph for every batch of 2..8 rows (one is its own: size-1 dims specialise)
-            for t in (tokens, state.slot_ids, state.positions):
-                torch._dynamo.mark_dynamic(t, 0, min=2, max=MAX_ROWS)
-        if graph in self.compile_seconds:
-            return self.step(tokens, state, last_only=True)
-        t0 = time.perf_counter()
-        try:
-            logits = self.step(tokens, state, last_only=True)
-        except torch._dynamo.exc.TorchDynamoException as e:   # tracing or inductor (e.g. no C++ compiler): nothing
-            print(f"deltaserve: compiling the decode step failed ({type(e).__name__}: {str(e)[:300]}); "  # has run yet
-                  "running eagerly", file=sys.stderr)
-            self.failed.add(graph)
-            return None
-        self.compile_seconds[graph] = time.perf_counter() - t0
-        return logits
+        return tokens.shape[1] == 1 and batch <= MAX_ROWS and min(batch, 2) not in self.decode.failed
+
+    def decode_step(self, tokens: torch.Tensor, state: StateView) -> torch.Tensor | None:
+        """Logits of each row's next token, [B, vocab]; None if this graph could not be compiled."""
+        key = _symbolic((tokens, state.slot_ids, state.positions), 0, tokens.shape[0], MAX_ROWS)
+        return self.decode(key, tokens, state, last_only=True)
+
+    def chunk_prepare(self, *chunks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        key = _symbolic(chunks, 2, chunks[0].shape[2], MAX_CHUNKS)     # [B, H, n, C, *]: n chunks
+        out = self.prefill(key, *chunks)
+        return out if out is not None else delta_rule.chunk_prepare(*chunks)
+
+    @property
+    def compile_seconds(self) -> dict[str, float]:
+        return {f"{c.what} ({'1' if key == 1 else '2+'})": t for c in (self.decode, self.prefill)
+                for key, t in c.compile_seconds.items()}

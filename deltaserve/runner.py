@@ -7,7 +7,7 @@ import itertools
 import torch
 from torch import nn
 
-from .compiled import CompiledDecode, can_compile
+from .compiled import CompiledModel, can_compile
 from .state import Snapshot, StatePool
 
 
@@ -16,11 +16,12 @@ class ModelFailure(RuntimeError):
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_slots: int, max_len: int, compile_decode: bool = False):
+    def __init__(self, model: nn.Module, num_slots: int, max_len: int, compile: bool = False):
         """`model`: a registered family's model (models/spec.py): forward(tokens, state, last_only), state_spec().
-        `compile_decode`: decode steps of 1..8 sequences through torch.compile where it applies (compiled.py)."""
+        `compile`: decode steps of 1..8 sequences and KDA prefill chunks through torch.compile where it applies
+        (compiled.py)."""
         self.model, self.cfg = model, model.cfg
-        self.compiled = CompiledDecode(model) if compile_decode and can_compile(model) else None
+        self.compiled = CompiledModel(model) if compile and can_compile(model) else None
         self.chunk_size = model.chunk_size
         self.device = next(model.parameters()).device
         self.pool = StatePool(model.state_spec(), num_slots, max_len, self.device)
@@ -33,8 +34,8 @@ class ModelRunner:
         every position, [B, T, vocab], without `last_only`)."""
         batch = torch.tensor(tokens, device=self.device)
         state = self.pool.view(slots, starts)
-        if last_only and self.compiled is not None and self.compiled.applies(batch):
-            logits = self.compiled(batch, state)
+        if last_only and self.compiled is not None and self.compiled.decodes(batch):
+            logits = self.compiled.decode_step(batch, state)
             if logits is not None:
                 return logits
         return self.model(batch, state, last_only=last_only)

@@ -74,7 +74,7 @@ class StateView:
         self.slot_ids = torch.tensor(slots, device=self.device)
         self.positions = torch.tensor(starts, device=self.device)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        self.rows = slice(slots[0], slots[0] + len(slots)) if contiguous else torch.tensor(slots, device=self.device)
+        self.rows = slice(slots[0], slots[0] + len(slots)) if contiguous else self.slot_ids
         self._mask: tuple[int, torch.Tensor, int] | None = None
 
     def pool_tensor(self, layer: int, name: str) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The compiled decode step (deltaserve/compiled.py): equal to the eager step, compiled during warmup for every
-batch size, never recompiled while serving, and a failed compile falls back to eager."""
+"""The compiled model (deltaserve/compiled.py): decode steps and prefill chunks equal to eager ones, every graph
+compiled during warmup, nothing recompiled while serving, and a failed compile falls back to eager."""
 import pytest
 import torch
 
@@ -37,7 +37,7 @@ def test_compiled_decode_equals_eager(tiny_dir, dtype):
     torch._dynamo.utils.ReinplaceCounters.clear()
     for batch in (1, 3, 8):
         compiled, eager = decode_both_ways(llm, batch)
-        assert not llm.runner.compiled.failed
+        assert not llm.runner.compiled.decode.failed
         if dtype == "float32":
             assert (compiled - eager).abs().max() <= 1e-4
         elif batch == 1:
@@ -45,16 +45,31 @@ def test_compiled_decode_equals_eager(tiny_dir, dtype):
         else:
             assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
             assert (compiled - eager).abs().max() <= 0.05
-    assert set(llm.runner.compiled.compile_seconds) == {1, 2}     # one graph for one row, one for 2..8
+    assert set(llm.runner.compiled.decode.compile_seconds) == {1, 2}     # one graph for one row, one for 2..8
     # the kernels' in-place state updates stayed in place: no copy of a pool tensor per step
     assert torch._dynamo.utils.ReinplaceCounters.get_total_missed() == 0
+
+
+def test_compiled_prefill_equals_eager(tiny_dir):
+    """Prompts of one chunk and of several (chunk_size 16: 7, 16, 45 and 100 tokens), scored per prefill chunk of 64:
+    the compiled chunk_prepare against the eager one, fp32."""
+    compiled = LLM(tiny_dir, dtype="float32", enforce_eager=False, chunk_size=16)
+    if compiled.runner.compiled is None:
+        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+    eager = LLM(tiny_dir, dtype="float32", enforce_eager=True, chunk_size=16)
+    for n in (7, 16, 45, 100):
+        ids = [(17 * i) % 500 + 1 for i in range(n)]
+        assert (compiled.runner.logits(ids, 64) - eager.runner.logits(ids, 64)).abs().max() <= 1e-4
+    assert set(compiled.runner.compiled.prefill.compile_seconds) == {1, 2}    # one chunk; 2+ chunks
+    assert not compiled.runner.compiled.prefill.failed
 
 
 def test_warmup_compiles_and_serving_never_recompiles(tiny_dir):
     llm = LLM(tiny_dir, warmup=True, enforce_eager=False)
     if llm.runner.compiled is None:
         pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
-    assert set(llm.runner.compiled.compile_seconds) == {1, 2}
+    assert set(llm.runner.compiled.decode.compile_seconds) == {1, 2}
+    assert set(llm.runner.compiled.prefill.compile_seconds) == {1, 2}
     counters = torch._dynamo.utils.counters
     graphs = counters["stats"]["unique_graphs"]
     for n, length in ((1, 5), (3, 40), (8, 17), (2, 130), (5, 1)):
@@ -62,7 +77,7 @@ def test_warmup_compiles_and_serving_never_recompiles(tiny_dir):
         out = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.7, seed=n, ignore_eos=True))
         assert all(len(o.token_ids) == 4 for o in out)
     assert counters["stats"]["unique_graphs"] == graphs
-    assert not llm.runner.compiled.failed
+    assert not llm.runner.compiled.decode.failed and not llm.runner.compiled.prefill.failed
 
 
 def test_enforce_eager_and_a_failed_compile_run_eagerly(tiny_dir, monkeypatch, capsys):
@@ -74,8 +89,8 @@ def test_enforce_eager_and_a_failed_compile_run_eagerly(tiny_dir, monkeypatch, c
 
     def broken(*args, **kwargs):
         raise torch._dynamo.exc.Unsupported("no compiler")
-    monkeypatch.setattr(llm.runner.compiled, "step", broken)
+    monkeypatch.setattr(llm.runner.compiled.decode, "step", broken)
     got = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
     assert got[0].token_ids == expected[0].token_ids
-    assert llm.runner.compiled.failed == {1}
-    assert "compiling the decode step failed (Unsupported: no compiler); running eagerly" in capsys.readouterr().err
+    assert llm.runner.compiled.decode.failed == {1}
+    assert "compiling the decode step failed (Unsupported: no compiler); running it eagerly" in capsys.readouterr().err

@@ -66,33 +66,43 @@ def intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: i
     return scores[0], scores[1]
 
 
-def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: float, initial_state: torch.Tensor, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunks of `chunk_size` tokens: within a chunk everything is matrix algebra (the WY representation, one
-    triangular solve), done for all chunks at once; only the chunk-to-chunk state hand-over is a Python loop."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    C = chunk_size
-    pad = (-T) % C
-    # [B, T, H, *] -> [B, H, n, C, *]; zero padding is exact: k = beta = g = 0 leaves the state untouched.
-    def split(x: torch.Tensor) -> torch.Tensor:
-        x = x.float().transpose(1, 2)
-        if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
-        return x.reshape(B, H, -1, C, *x.shape[3:])
-    q, k, v, g, beta = split(q) * scale, split(k), split(v), split(g), split(beta)
+def chunk_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                  ) -> tuple[torch.Tensor, ...]:
+    """Everything of the chunked form that is parallel over chunks, for [B, H, n, C, *] inputs (q already scaled):
+    (w, u, q_decayed, k_to_end, end_decay, A_qk), what the sequential hand-over between chunks consumes."""
+    C, K = k.shape[-2], k.shape[-1]
     G = g.cumsum(-2)                                                  # inclusive log-decay within each chunk
     A_kk, A_qk = intra_chunk_scores(q, k, G)                          # [B, H, n, C, C]
     # UT transform: (I + tril(beta_r A_kk, -1))^-1 applied to beta*exp(G)*k and beta*v together.
     lower = torch.eye(C, device=k.device) + (beta.unsqueeze(-1) * A_kk).tril(-1)
     wu = torch.linalg.solve_triangular(lower, beta.unsqueeze(-1) * torch.cat((G.exp() * k, v), -1),
                                        upper=False, unitriangular=True)
-    w, u = wu[..., :K], wu[..., K:]
     G_last = G[..., -1:, :]                                           # [B, H, n, 1, K]
-    q_decayed, k_to_end, end_decay = q * G.exp(), (G_last - G).exp() * k, G_last.transpose(-1, -2).exp()
+    return (wu[..., :K], wu[..., K:], q * G.exp(), (G_last - G).exp() * k, G_last.transpose(-1, -2).exp(), A_qk)
+
+
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float, initial_state: torch.Tensor, chunk_size: int = 64, prepare=chunk_prepare
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks of `chunk_size` tokens: within a chunk everything is matrix algebra (the WY representation, one
+    triangular solve), done for all chunks at once by `prepare` (chunk_prepare, or a compiled copy of it); only the
+    chunk-to-chunk state hand-over is a Python loop."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    pad = (-T) % C
+    # [B, T, H, *] -> [B, H, n, C, *], contiguous (so a compiled `prepare` sees one layout whatever T is); zero
+    # padding is exact: k = beta = g = 0 leaves the state untouched.
+    def split(x: torch.Tensor) -> torch.Tensor:
+        x = x.float().transpose(1, 2)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
+        return x.reshape(B, H, -1, C, *x.shape[3:]).contiguous()
+    w, u, q_decayed, k_to_end, end_decay, A_qk = prepare(split(q) * scale, split(k), split(v), split(g), split(beta))
+    n = w.shape[2]
     state = initial_state.float().clone()
-    out = torch.empty(B, H, G.shape[2], C, V, dtype=torch.float32, device=k.device)
-    for c in range(G.shape[2]):
+    out = torch.empty(B, H, n, C, V, dtype=torch.float32, device=k.device)
+    for c in range(n):
         v_new = u[:, :, c] - w[:, :, c] @ state                       # pseudo-values against the entering state
         out[:, :, c] = q_decayed[:, :, c] @ state + A_qk[:, :, c] @ v_new
         state = state * end_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
