@@ -34,7 +34,7 @@ def enforce_eager_default() -> bool:
     return os.environ.get("DELTASERVE_ENFORCE_EAGER", "0") == "1"
 
 
-MAX_CHUNKS = 1 << 16        # the symbolic chunk count's bound (a prefill chunk of 4M tokens at chunk size 64)
+MAX_CHUNKS = 1 << 16        # bound of the symbolic chunk count (the engine's: prefill_tokens / chunk_size)
 GRAPHS_PER_PROCESS = 64    # dynamo's cache entries per compiled function: two per model, room for several (tests)
 
 
@@ -53,20 +53,22 @@ class Compiled:
         self.what = what
         # cpp_wrapper: the generated code calls its kernels from C++, not Python (decode measured 13-23% faster than
         # eager on bench-s, vs 7-10% with inductor's Python wrapper)
-        self.step = torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True, "cpp_wrapper": True})
+        self.compiled = torch.compile(fn, fullgraph=True,
+                                      options={"emulate_precision_casts": True, "cpp_wrapper": True})
         self.compile_seconds: dict[int, float] = {}     # key -> its compiling call
         self.failed: set[int] = set()
 
     def __call__(self, key: int, *args: Any, **kwargs: Any) -> Any:
         if key in self.compile_seconds:
-            return self.step(*args, **kwargs)
+            return self.compiled(*args, **kwargs)
         if key in self.failed:
             return None
         t0 = time.perf_counter()
         try:
-            out = self.step(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as e:   # tracing or inductor (e.g. no C++ compiler): nothing
-            print(f"deltaserve: compiling the {self.what} failed ({type(e).__name__}: {str(e)[:300]}); "  # ran yet
+            out = self.compiled(*args, **kwargs)
+        # tracing or inductor failed (e.g. no C++ compiler), before anything ran
+        except torch._dynamo.exc.TorchDynamoException as e:
+            print(f"deltaserve: compiling the {self.what} failed ({type(e).__name__}: {str(e)[:300]}); "
                   "running it eagerly", file=sys.stderr)
             self.failed.add(key)
             return None
@@ -108,11 +110,13 @@ class CompiledModel:
         return self.decode(key, tokens, state, last_only=True)
 
     def chunk_prepare(self, *chunks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        chunks = tuple(c.contiguous() for c in chunks)       # one layout whatever the prompt length: no guard fails
         key = _symbolic(chunks, 2, chunks[0].shape[2], MAX_CHUNKS)     # [B, H, n, C, *]: n chunks
         out = self.prefill(key, *chunks)
         return out if out is not None else delta_rule.chunk_prepare(*chunks)
 
     @property
-    def compile_seconds(self) -> dict[str, float]:
+    def compile_times(self) -> dict[str, float]:
+        """Seconds each compiled graph's first call took, by name."""
         return {f"{c.what} ({'1' if key == 1 else '2+'})": t for c in (self.decode, self.prefill)
                 for key, t in c.compile_seconds.items()}

@@ -547,8 +547,8 @@ def start_engine(state: ServerState, make_llm: Callable[[], Any], on_error: Call
         llm.engine.warmup()
         state.llm = llm
         compiled = getattr(llm.runner, "compiled", None)
-        how = (f" ({len(compiled.compile_seconds)} graphs compiled in {sum(compiled.compile_seconds.values()):.1f}s)"
-               if compiled and compiled.compile_seconds else "")
+        how = (f" ({len(compiled.compile_times)} graphs compiled in {sum(compiled.compile_times.values()):.1f}s)"
+               if compiled and compiled.compile_times else "")
         state.log(f"deltaserve: model '{state.model_name}' loaded and warm in {time.perf_counter() - t0:.2f}s{how}; "
                   "ready")
         return llm.engine

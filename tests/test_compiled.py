@@ -85,12 +85,16 @@ def test_enforce_eager_and_a_failed_compile_run_eagerly(tiny_dir, monkeypatch, c
     llm = LLM(tiny_dir, enforce_eager=False)
     if llm.runner.compiled is None:
         pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
-    expected = LLM(tiny_dir, enforce_eager=True).generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
 
     def broken(*args, **kwargs):
         raise torch._dynamo.exc.Unsupported("no compiler")
-    monkeypatch.setattr(llm.runner.compiled.decode, "step", broken)
-    got = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
-    assert got[0].token_ids == expected[0].token_ids
-    assert llm.runner.compiled.decode.failed == {1}
-    assert "compiling the decode step failed (Unsupported: no compiler); running it eagerly" in capsys.readouterr().err
+    monkeypatch.setattr(llm.runner.compiled.decode, "compiled", broken)
+    monkeypatch.setattr(llm.runner.compiled.prefill, "compiled", broken)
+    prompt = list(range(5, 80))                           # two chunks of 64: the prefill's "2+" graph
+    got = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0))
+    assert got[0].token_ids == LLM(tiny_dir, enforce_eager=True).generate(
+        [prompt], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+    assert llm.runner.compiled.decode.failed == {1} and llm.runner.compiled.prefill.failed == {2}
+    err = capsys.readouterr().err
+    assert "compiling the decode step failed (Unsupported: no compiler); running it eagerly" in err
+    assert "compiling the prefill chunk failed (Unsupported: no compiler); running it eagerly" in err

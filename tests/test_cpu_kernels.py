@@ -125,7 +125,7 @@ def test_decode_kernels_refuse_bad_slots():
     assert torch.equal(cache, torch.zeros(2, 8, 16))         # refused before writing anything
 
 
-@pytest.mark.parametrize("variant", ["bf16", "int8", "mxfp4", "situ"])
+@pytest.mark.parametrize("variant", ["bf16", "fp32", "int8", "mxfp4", "situ"])
 def test_routed_experts_kernel_equals_the_op_by_op_loop(variant, monkeypatch):
     """1, 3 and 8 tokens (decode batches): the kernel gives the op-by-op loop's result bit for bit."""
     import json
@@ -143,7 +143,8 @@ def test_routed_experts_kernel_equals_the_op_by_op_loop(variant, monkeypatch):
         raw["hidden_act"] = "situ"
     cfg = parse_config(raw)
     torch.manual_seed(0)
-    moe = MoE(cfg, torch.bfloat16)
+    dtype = torch.float32 if variant == "fp32" else torch.bfloat16
+    moe = MoE(cfg, dtype)
     for name, p in moe.named_parameters():
         if p.dtype != torch.uint8:
             p.copy_(torch.randn_like(p.float()) * 0.2)
@@ -156,7 +157,7 @@ def test_routed_experts_kernel_equals_the_op_by_op_loop(variant, monkeypatch):
             getattr(moe, f"{stacked}_scale").copy_(scales)
     if variant == "int8":
         quantize_module_weights(moe)
-    xs = [torch.randn(n, cfg.hidden_size).bfloat16() for n in (1, 3, 8)]
+    xs = [torch.randn(n, cfg.hidden_size).to(dtype) for n in (1, 3, 8)]
     fused = [moe(x) for x in xs]
     monkeypatch.setattr("deltaserve.layers.moe.kernels", lambda: None)
     for x, y in zip(xs, fused):

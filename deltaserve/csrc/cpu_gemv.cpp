@@ -426,18 +426,20 @@ void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, i
                 float* y) {
   const int64_t N = w[0].size(1), e = g.expert;
   const float* xf = x.row(x.f, g.begin);
-  auto of = [&](int i) { return static_cast<const char*>(w[i].data_ptr()) + e * w[i].stride(0) * w[i].element_size(); };
+  auto expert_base = [&](int i) {
+    return static_cast<const char*>(w[i].data_ptr()) + e * w[i].stride(0) * w[i].element_size();
+  };
   if (w.size() == 1) {
     const int64_t K = w[0].size(2);
     if (w[0].scalar_type() == torch::kBFloat16)
-      dense_rows<uint16_t, M>(xf, K, (const uint16_t*)of(0), n0, n1, y, N);
+      dense_rows<uint16_t, M>(xf, K, (const uint16_t*)expert_base(0), n0, n1, y, N);
     else
-      dense_rows<float, M>(xf, K, (const float*)of(0), n0, n1, y, N);
+      dense_rows<float, M>(xf, K, (const float*)expert_base(0), n0, n1, y, N);
   } else if (w[0].scalar_type() == torch::kByte) {
-    mxfp4_rows<M>(x.row(x.even, g.begin), x.row(x.odd, g.begin), w[0].size(2) * 2, (const uint8_t*)of(0),
-                  (const uint8_t*)of(1), n0, n1, y, N);
+    mxfp4_rows<M>(x.row(x.even, g.begin), x.row(x.odd, g.begin), w[0].size(2) * 2, (const uint8_t*)expert_base(0),
+                  (const uint8_t*)expert_base(1), n0, n1, y, N);
   } else {
-    q8_rows<M>(xf, w[0].size(2), (const int8_t*)of(0), (const float*)of(1), n0, n1, y, N);
+    q8_rows<M>(xf, w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1, y, N);
   }
 }
 
@@ -468,6 +470,7 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
                              at::TensorList w13, at::TensorList w2, bool situ,
                              double beta, double linear_beta) {
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= kMaxRows, "h must be [1..", kMaxRows, ", R]");
+  TORCH_CHECK(h.scalar_type() == torch::kFloat || h.scalar_type() == torch::kBFloat16, "h must be float32 or bfloat16");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == h.size(0) && ids.scalar_type() == torch::kLong,
               "ids must be int64 [N, k]");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "weights must be fp32 [N, k]");
@@ -506,8 +509,9 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
   // each assignment in expert order, rounded where the loop rounds: the product to h's dtype, times the routing
   // weight in fp32, rounded, then added to its token's running sum in h's dtype (the loop's index_add_ per expert;
   // summing a token's experts in fp32 and rounding once would differ)
-  auto out = torch::zeros_like(h);
   const int64_t R = h.size(1);
+  TORCH_CHECK(down.size(1) == R, "w2 experts must map back to h's width ", R);
+  auto out = torch::zeros({h.size(0), R}, h.options());
   const auto w = weights.contiguous();
   const float* wf = w.data_ptr<float>();
   const float* d = down.data_ptr<float>();

@@ -18,7 +18,9 @@ MAX_ROWS = 8
 # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built with
 # OpenMP (measured: a 1 GiB bf16 GEMV at 11.5 GB/s on 2 threads without it, 26.9 GB/s with it); libgomp resolves to
 # the copy torch has already loaded, so both share one thread pool
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
+# -ffp-contract=off: scalar loops that mirror the op-by-op path's roundings (routed-expert sums, RMSNorm, KDA) must not
+# have a product and a sum fused into one FMA; the explicit FMA intrinsics are unaffected
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-ffp-contract=off"]
 
 
 _loaded: dict[str, Any] = {}      # a plain dict, not functools.cache: torch.compile reads it without a graph break

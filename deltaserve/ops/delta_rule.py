@@ -11,6 +11,8 @@ Triton kernels drop in where they run (ops/kda.py).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -82,8 +84,8 @@ def chunk_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: float, initial_state: torch.Tensor, chunk_size: int = 64, prepare=chunk_prepare
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, initial_state: torch.Tensor, chunk_size: int = 64,
+              prepare: Callable[..., tuple[torch.Tensor, ...]] = chunk_prepare) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunks of `chunk_size` tokens: within a chunk everything is matrix algebra (the WY representation, one
     triangular solve), done for all chunks at once by `prepare` (chunk_prepare, or a compiled copy of it); only the
     chunk-to-chunk state hand-over is a Python loop."""
@@ -91,13 +93,12 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     V = v.shape[-1]
     C = chunk_size
     pad = (-T) % C
-    # [B, T, H, *] -> [B, H, n, C, *], contiguous (so a compiled `prepare` sees one layout whatever T is); zero
-    # padding is exact: k = beta = g = 0 leaves the state untouched.
+    # [B, T, H, *] -> [B, H, n, C, *]; zero padding is exact: k = beta = g = 0 leaves the state untouched.
     def split(x: torch.Tensor) -> torch.Tensor:
         x = x.float().transpose(1, 2)
         if pad:
             x = torch.nn.functional.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
-        return x.reshape(B, H, -1, C, *x.shape[3:]).contiguous()
+        return x.reshape(B, H, -1, C, *x.shape[3:])
     w, u, q_decayed, k_to_end, end_decay, A_qk = prepare(split(q) * scale, split(k), split(v), split(g), split(beta))
     n = w.shape[2]
     state = initial_state.float().clone()
