@@ -101,8 +101,7 @@ class CompiledModel:
                 module.chunk_kernel = functools.partial(kernel, prepare=self.chunk_prepare)
 
     def decodes(self, tokens: torch.Tensor) -> bool:
-        batch = tokens.shape[0]
-        return tokens.shape[1] == 1 and batch <= MAX_ROWS and min(batch, 2) not in self.decode.failed
+        return tokens.shape[1] == 1 and tokens.shape[0] <= MAX_ROWS
 
     def decode_step(self, tokens: torch.Tensor, state: StateView) -> torch.Tensor | None:
         """Logits of each row's next token, [B, vocab]; None if this graph could not be compiled."""
