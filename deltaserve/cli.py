@@ -99,13 +99,15 @@ def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
                         "batched (bf16 included); costs decode throughput")
 
 
-def load_llm(args: argparse.Namespace, warmup: bool = False):
+def load_llm(args: argparse.Namespace, warmup: bool = False, one_shot: bool = False):
+    """`one_shot`: a command that runs one request or one pass (generate, perplexity) runs eagerly, since compiling
+    would take longer than the work."""
     from .llm import LLM
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                chunk_size=args.chunk_size, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
                prefix_cache_bytes=args.prefix_cache_bytes, warmup=warmup,
                tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-               batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager or None)
+               batch_invariant=args.batch_invariant, enforce_eager=one_shot or args.enforce_eager or None)
 
 
 def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, float]]:
@@ -128,7 +130,7 @@ def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, fl
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from .sampling import SamplingParams
-    llm = load_llm(args)
+    llm = load_llm(args, one_shot=True)
     chat = [{"role": "user", "content": args.prompt}]
     prompt = llm.template.render_ids(llm.tokenizer, chat) if args.chat else llm.encode(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -215,7 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.perplexity:             # quality instead of speed: the text scored through the engine's prefill path
         from .perplexity import evaluate, format_perplexity, read_text
         text = read_text(args.perplexity)
-        p = evaluate(load_llm(args), text)
+        p = evaluate(load_llm(args, one_shot=True), text)
         print(json.dumps(p.as_dict(), indent=2) if args.json else format_perplexity(p))
         return
     from .bench import format_bench, run_bench

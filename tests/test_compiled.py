@@ -98,3 +98,15 @@ def test_enforce_eager_and_a_failed_compile_run_eagerly(tiny_dir, monkeypatch, c
     err = capsys.readouterr().err
     assert "compiling the decode step failed (Unsupported: no compiler); running it eagerly" in err
     assert "compiling the prefill chunk failed (Unsupported: no compiler); running it eagerly" in err
+
+
+def test_one_shot_commands_run_eagerly_and_the_flag_is_honoured(tiny_dir, monkeypatch):
+    """generate and bench --perplexity would spend longer compiling than working; --enforce-eager turns it off."""
+    from deltaserve.cli import build_parser, load_llm
+    monkeypatch.delenv("DELTASERVE_ENFORCE_EAGER")
+    parse = build_parser().parse_args
+    compiled = load_llm(parse(["generate", str(tiny_dir), "--prompt", "x"])).runner.compiled
+    if compiled is None:
+        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+    assert load_llm(parse(["generate", str(tiny_dir), "--prompt", "x"]), one_shot=True).runner.compiled is None
+    assert load_llm(parse(["serve", str(tiny_dir), "--enforce-eager"])).runner.compiled is None
