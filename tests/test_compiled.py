@@ -110,3 +110,31 @@ def test_one_shot_commands_run_eagerly_and_the_flag_is_honoured(tiny_dir, monkey
         pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
     assert load_llm(parse(["generate", str(tiny_dir), "--prompt", "x"]), one_shot=True).runner.compiled is None
     assert load_llm(parse(["serve", str(tiny_dir), "--enforce-eager"])).runner.compiled is None
+
+
+def test_a_compiled_server_serves_concurrent_requests(tiny_dir):
+    """The compiled graphs are built during the server's warmup in its engine thread, then serve concurrent batched
+    requests with nothing compiled, as the ready line and the log say."""
+    import concurrent.futures
+
+    import openai
+
+    from server_utils import Server
+    server = Server(str(tiny_dir), timeout=300, env={"DELTASERVE_ENFORCE_EAGER": "0"})
+    try:
+        ready = next(line for line in server.stderr().splitlines() if "ready" in line)
+        if "graphs compiled" not in ready:
+            pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+        assert "4 graphs compiled" in ready
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+
+        def one(i: int) -> int:
+            r = client.completions.create(model=model, prompt=[7 + j for j in range(1 + 9 * i)], max_tokens=6,
+                                          temperature=0.0, extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(10))) == [6] * 10
+    finally:
+        log = server.stop()
+    assert "compiling the" not in log and "Recompiling" not in log
