@@ -101,8 +101,8 @@ class StateView:
         if B == 1:
             cache[self.slots[0], self.starts[0]:self.starts[0] + T] = values[0]
         else:
-            pos = torch.tensor(self.starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
-            cache[torch.tensor(self.slots, device=self.device)[:, None], pos] = values
+            pos = self.positions[:, None] + torch.arange(T, device=self.device)
+            cache[self.slot_ids[:, None], pos] = values
         mask, L = self.attend_mask(T)
         return cache[self.rows, :L], mask
 
@@ -110,8 +110,7 @@ class StateView:
         """Key p is visible to query t of row b iff p <= starts[b] + t (causal, per-row length)."""
         if self._mask is None or self._mask[0] != T:
             L = max(self.starts) + T
-            starts = torch.tensor(self.starts, device=self.device)
-            query_pos = starts[:, None] + torch.arange(T, device=self.device)                 # [B, T]
+            query_pos = self.positions[:, None] + torch.arange(T, device=self.device)        # [B, T]
             mask = torch.arange(L, device=self.device)[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
             self._mask = (T, mask.unsqueeze(1), L)
         return self._mask[1], self._mask[2]
