@@ -71,8 +71,9 @@ def run_bench(llm: Any, load_s: float, prompt_tokens: int, decode_tokens: int, b
     ttft_recompute, _ = time_to_first_token(engine, follow_up)
     engine.cache.clear()
     decode1 = decode_rate(engine, 1, 32, decode_tokens)
-    bytes_per_token = llm.model.weight_bytes_per_token()
+    bytes_per_token, bytes_per_batch = (llm.model.weight_bytes_per_step(b) for b in (1, batch))
     bandwidth = read_bandwidth()
+    decode_batch = decode_rate(engine, batch, 32, decode_tokens)
     return {
         "load_s": load_s,
         "prompt_tokens": prompt_tokens,
@@ -83,25 +84,32 @@ def run_bench(llm: Any, load_s: float, prompt_tokens: int, decode_tokens: int, b
         "ttft_second_turn_reuse_s": ttft_reuse,
         "ttft_second_turn_recompute_s": ttft_recompute,
         "decode_tok_s_batch1": decode1,
-        "weight_bytes_per_token": bytes_per_token,
+        "weight_bytes_per_token": round(bytes_per_token),
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "roofline_decode_tok_s": bandwidth / bytes_per_token,
         "decode_vs_roofline": bandwidth / bytes_per_token / decode1,
-        f"decode_tok_s_batch{batch}": decode_rate(engine, batch, 32, decode_tokens),
+        f"decode_tok_s_batch{batch}": decode_batch,
+        # a batch's tokens route to more experts than one token does: its roofline is not batch x batch 1's
+        f"weight_bytes_per_step_batch{batch}": round(bytes_per_batch),
+        f"roofline_decode_tok_s_batch{batch}": batch * bandwidth / bytes_per_batch,
+        f"decode_batch{batch}_vs_roofline": batch * bandwidth / bytes_per_batch / decode_batch,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
 def format_bench(r: dict[str, float]) -> str:
-    batch_key = next(k for k in r if k.startswith("decode_tok_s_batch") and k != "decode_tok_s_batch1")
+    batch = next(k for k in r if k.startswith("decode_tok_s_batch") and k != "decode_tok_s_batch1")[len("decode_tok_s_"):]
     return "\n".join([
         f"load:                {r['load_s']:.2f} s",
         f"prefill:             {r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens, TTFT {r['ttft_cold_s'] * 1000:.0f} ms)",
         f"decode batch 1:      {r['decode_tok_s_batch1']:.1f} tok/s ({1000 / r['decode_tok_s_batch1']:.1f} ms/token)",
-        f"decode {batch_key[len('decode_tok_s_'):]:<13} {r[batch_key]:.1f} tok/s aggregate",
+        f"decode {batch:<13} {r['decode_tok_s_' + batch]:.1f} tok/s aggregate",
         f"roofline batch 1:    {r['roofline_decode_tok_s']:.1f} tok/s ({r['weight_bytes_per_token'] / 1e6:.1f} MB of "
         f"weights per token at {r['read_bandwidth_gb_s']:.1f} GB/s read); decode is {r['decode_vs_roofline']:.2f}x "
         "slower",
+        f"roofline {batch:<11} {r['roofline_decode_tok_s_' + batch]:.1f} tok/s aggregate "
+        f"({r['weight_bytes_per_step_' + batch] / 1e6:.1f} MB a step with the experts its tokens route to, uniformly); "
+        f"decode is {r[f'decode_{batch}_vs_roofline']:.2f}x slower",
         f"second turn TTFT:    {r['ttft_second_turn_reuse_s'] * 1000:.0f} ms reusing {r['second_turn_cached_tokens']} of "
         f"{r['second_turn_tokens']} tokens vs {r['ttft_second_turn_recompute_s'] * 1000:.0f} ms recomputed "
         f"({r['ttft_second_turn_recompute_s'] / r['ttft_second_turn_reuse_s']:.1f}x)",

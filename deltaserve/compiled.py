@@ -68,7 +68,9 @@ class Compiled:
             out = self.compiled(*args, **kwargs)
         # tracing or inductor failed (e.g. no C++ compiler), before anything ran
         except torch._dynamo.exc.TorchDynamoException as e:
-            print(f"deltaserve: compiling the {self.what} failed ({type(e).__name__}: {str(e)[:300]}); "
+            lines = str(e).splitlines()         # a compiler's own message, not the command line before it
+            reason = next((line for line in lines if "error:" in line), str(e)[:300])
+            print(f"deltaserve: compiling the {self.what} failed ({type(e).__name__}: {reason}); "
                   "running it eagerly", file=sys.stderr)
             self.failed.add(key)
             return None
@@ -93,6 +95,12 @@ class CompiledModel:
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve" / "inductor"
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_PROCESS)
+        # inductor checks each vector ISA the CPU's flags list by building a test library and loading it in a new
+        # Python process: seconds of each cold start, and a probe that fails (seen twice here) silently turns the
+        # ISA off for the process, so vectorized code from the disk cache is then built without its flags and
+        # fails to compile. The CPU's flags, which inductor reads either way, decide instead.
+        if torch._inductor.config.cpp.vec_isa_ok is None:
+            torch._inductor.config.cpp.vec_isa_ok = True
         self.decode = Compiled("decode step", model)
         self.prefill = Compiled("prefill chunk", delta_rule.chunk_prepare)
         for module in model.modules():            # the CPU chunk kernel (ops/kda.py) takes the compiled part

@@ -33,6 +33,21 @@ def test_bench_json(tiny_dir):
     r = run("bench", str(tiny_dir), "--prompt-tokens", "100", "--decode-tokens", "4", "--batch", "2", "--json")
     result = json.loads(r.stdout)
     assert result["second_turn_cached_tokens"] > 100 and result["decode_tok_s_batch2"] > 0
+    # two tokens read more experts than one, and at most twice the weights
+    assert result["weight_bytes_per_token"] < result["weight_bytes_per_step_batch2"] < 2 * result["weight_bytes_per_token"]
+    assert result["roofline_decode_tok_s_batch2"] > result["roofline_decode_tok_s"]
+
+
+def test_a_large_batch_reads_every_expert(tiny_dir):
+    from deltaserve import LLM
+    model = LLM(tiny_dir, enforce_eager=True).model
+    everything = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    rows = embed.shape[0]
+    steps = [model.weight_bytes_per_step(b) for b in (1, 2, 8, 10_000)]
+    assert steps == sorted(steps) and len(set(steps)) == 4
+    one_row = embed.numel() * embed.element_size() / rows
+    assert abs(steps[-1] - (everything - one_row * (rows - min(rows, 10_000)))) < 1e-3 * everything
 
 
 def test_bad_checkpoint_is_one_clear_line(tmp_path):

@@ -132,19 +132,21 @@ class KimiLinearForCausalLM(nn.Module):
         """Official checkpoint tensor name -> the tensor (or view of a fused tensor) it is loaded into."""
         return _views(self, "")
 
-    def weight_bytes_per_token(self) -> int:
-        """Weight bytes one decode step of one sequence reads on this rank: every weight, but one embedding row and,
-        of the routed experts, the top-k share (the roofline of a memory-bound decode)."""
+    def weight_bytes_per_step(self, batch: int = 1) -> float:
+        """Weight bytes one decode step of `batch` sequences reads on this rank (the roofline of a memory-bound
+        decode): every weight but the embedding's other rows and, of the routed experts, the share that uniform
+        top-k routing of `batch` tokens selects on average, 1 - (1 - k/E)^batch (k/E for one token)."""
         cfg = self.cfg
         routed = {id(w) for m in self.modules() if isinstance(m, MoE) for w in m.routed_expert_weights()}
-        total = 0
+        routed_share = 1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** batch if cfg.num_experts else 0.0
+        total = 0.0
         for module in self.modules():
             for w in [*module._parameters.values(), *(v for v in vars(module).values() if isinstance(v, Int8Weight))]:
                 n = w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
                 if w is self.model.embed_tokens.weight and not cfg.tie_word_embeddings:
-                    n //= w.shape[0]
+                    n = n * min(batch, w.shape[0]) / w.shape[0]
                 elif id(w) in routed:
-                    n = n * cfg.num_experts_per_token // cfg.num_experts
+                    n = n * routed_share
                 total += n
         return total
 
