@@ -22,6 +22,23 @@ def test_gemv_equals_float64_reference(dtype, K):
         assert (got.double() - ref[:M]).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torchs(dtype):
+    """The first largest value, NaN first of all, for lengths around the 16-wide vector and a vocabulary."""
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 15, 16, 17, 100, 32000):
+        rows = torch.randn(6, n, generator=g).to(dtype)
+        rows[1, n // 2:] = rows[1].max()                      # ties: the first one wins
+        rows[2] = float("-inf")
+        rows[3, n // 3] = float("nan")
+        rows[3, -1] = float("nan")
+        rows[4] = 0.0
+        rows[4, n - 1] = -0.0                                  # -0 and +0 are equal
+        rows[5, -1] = float("inf")
+        assert torch.equal(k.argmax(rows), rows.argmax(-1)), n
+        assert [int(k.argmax(row)) for row in rows] == rows.argmax(-1).tolist()
+
+
 def test_mxfp4_gemv_equals_the_dequantized_product():
     g = torch.Generator().manual_seed(0)
     packed, scales = quantize_mxfp4(torch.randn(257, 1024, generator=g) * 0.05)
