@@ -103,14 +103,15 @@ def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, dtype):
 
 @pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                      (torch.bfloat16, torch.bfloat16)])
-def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype):
+@pytest.mark.parametrize("H", [4, 19])          # 19: heads in groups of 16, 8 and 1 (context) and 8 and 1 (scores)
+def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype, H):
     """The MLA decode kernel (write the new latent in place, attend over the slot's own length) vs the op-by-op
     attention over the gathered cache with its mask, for rows of different lengths in non-contiguous slots."""
     from deltaserve.layers.mla import latent_attention
     from deltaserve.state import StatePool
     from deltaserve.models.spec import StateSpec
     g = torch.Generator().manual_seed(3)
-    H, rank, rope, slots, starts = 4, 40, 8, [5, 0, 2], [0, 37, 300]
+    rank, rope, slots, starts = 40, 8, [5, 0, 2], [0, 37, 300]
     pool = StatePool({0: {"latent": StateSpec((rank + rope,), cache_dtype, per_token=True)}}, 6, 400)
     pool.tensors[0, "latent"].copy_(torch.randn(6, 400, rank + rope, generator=g))
     query = torch.randn(3, H, 1, rank + rope, generator=g).to(query_dtype)

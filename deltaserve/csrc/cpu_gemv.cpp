@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -534,24 +535,88 @@ namespace {
 inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline const float* raw(const float* p) { return p; }
 
-// out[h] = q[h] . row for the H query rows q [H, C]: four heads at a time share each load of the row and keep four
-// independent FMA chains; each head's sum is the same sequence of operations whichever group it is in.
-template <typename CT>
-void dots(const float* q, int64_t H, int64_t C, const CT* row, float* out) {
-  constexpr int G = 4;
-  for (int64_t h0 = 0; h0 < H; h0 += G) {
-    const int g = int(std::min<int64_t>(G, H - h0));
-    __m512 acc[G] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    int64_t c = 0;
-    for (; c + 16 <= C; c += 16) {
-      const __m512 v = load_widened(raw(row + c));
-      for (int i = 0; i < g; ++i) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (h0 + i) * C + c), v, acc[i]);
+// e^x for 16 floats within 1-2 ulp: x = n ln2 + r with |r| <= ln2/2 (ln2 in two parts), e^r by its degree-6
+// Taylor polynomial (remainder < 2e-7 relative), times 2^n. NaN stays NaN; below -104 the result is 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 e = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, .5f, 1.f, 1.f}) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(e, n);
+}
+
+// v rounded to T and back, 16 at a time (bf16: to nearest even, NaN to the quiet NaN, as c10::BFloat16 does).
+template <typename T> inline __m512 round_vec(__m512 v) { return v; }
+template <> inline __m512 round_vec<at::BFloat16>(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
+                               _mm512_set1_epi32(int(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// out[j * H + g] = q[g] . rows[j] for G query rows (heads, C apart) and J cache rows: each row load serves G heads and
+// each query load J rows. Each sum is 16 lane-wise FMA chains over the columns, reduced, then the scalar tail: the
+// same for every G and J.
+template <typename CT, int G, int J>
+void score_tile(const float* q, int64_t C, const CT* const* rows, float* out, int64_t H) {
+  __m512 acc[G][J];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < J; ++j) acc[g][j] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= C; c += 16) {
+    __m512 r[J];
+    for (int j = 0; j < J; ++j) r[j] = load_widened(raw(rows[j] + c));
+    for (int g = 0; g < G; ++g) {
+      const __m512 qv = _mm512_loadu_ps(q + g * C + c);
+      for (int j = 0; j < J; ++j) acc[g][j] = _mm512_fmadd_ps(qv, r[j], acc[g][j]);
     }
-    for (int i = 0; i < g; ++i) {
-      float sum = _mm512_reduce_add_ps(acc[i]);
-      for (int64_t k = c; k < C; ++k) sum += q[(h0 + i) * C + k] * to_float(row[k]);
-      out[h0 + i] = sum;
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < J; ++j) {
+      float sum = _mm512_reduce_add_ps(acc[g][j]);
+      for (int64_t k = c; k < C; ++k) sum += q[g * C + k] * to_float(rows[j][k]);
+      out[j * H + g] = sum;
     }
+}
+
+template <typename CT, int J>
+void score_rows(const float* q, int64_t H, int64_t C, const CT* const* rows, float* out) {
+  int64_t h = 0;
+  for (; h + 8 <= H; h += 8) score_tile<CT, 8, J>(q + h * C, C, rows, out + h, H);
+  for (; h + 4 <= H; h += 4) score_tile<CT, 4, J>(q + h * C, C, rows, out + h, H);
+  for (; h < H; ++h) score_tile<CT, 1, J>(q + h * C, C, rows, out + h, H);
+}
+
+// out[g][c0 + k] = sum_j p[j * H + g] row_j[c0 + k] for G heads and n <= 16 columns, summed over j in order.
+template <typename QT, typename CT, int G>
+void context_heads(const float* p, int64_t H, int64_t L, const CT* rows, int64_t C, int64_t c0, int64_t n, QT* out,
+                   int64_t rank) {
+  __m512 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  alignas(64) float part[16] = {}, sums[16];
+  for (int64_t j = 0; j < L; ++j) {
+    const CT* row = rows + j * C + c0;
+    _mm_prefetch((const char*)(row + 16 * C), _MM_HINT_T0);    // rows are C apart: ahead of the hardware's guess
+    __m512 v;
+    if (n == 16) {
+      v = load_widened(raw(row));
+    } else {                                       // a last partial block: lanes past n stay zero
+      for (int64_t k = 0; k < n; ++k) part[k] = to_float(row[k]);
+      v = _mm512_load_ps(part);
+    }
+    const float* pj = p + j * H;
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(pj[g]), v, acc[g]);
+  }
+  for (int g = 0; g < G; ++g) {
+    _mm512_store_ps(sums, acc[g]);
+    for (int64_t k = 0; k < n; ++k) out[g * rank + c0 + k] = QT(sums[k]);
   }
 }
 
@@ -564,57 +629,67 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
     for (int64_t c = 0; c < C; ++c) at[c] = CT(to_float(latent[b * C + c]));
     Lmax = std::max(Lmax, positions[b] + 1);
   }
-  auto row_of = [&](int64_t b, int64_t j) { return cache + slots[b] * slot_stride + j * C; };
-  std::vector<float> q(B * H * C), p(B * Lmax * H);     // queries in fp32; scores, then probabilities [B, Lmax, H]
+  auto row_of = [&](int64_t b, int64_t j) -> const CT* { return cache + slots[b] * slot_stride + j * C; };
+  std::vector<float> q(B * H * C);                   // queries in fp32
+  std::unique_ptr<float[]> p(new float[B * Lmax * H]);      // scores, then probabilities [B, Lmax, H]
   for (int64_t i = 0; i < B * H * C; ++i) q[i] = to_float(query[i]);
-  // scores: a task is 16 positions of one row, every head, so each cache row is read once for all heads
+  // scores: a task is 16 positions of one row, every head; three cache rows at a time share each query load
   constexpr int64_t kBlock = 16;
   const int64_t blocks = (Lmax + kBlock - 1) / kBlock;
+  const __m512 scale_v = _mm512_set1_ps(scale);
   at::parallel_for(0, B * blocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / blocks, j0 = t % blocks * kBlock, j1 = std::min(j0 + kBlock, positions[b] + 1);
-      for (int64_t j = j0; j < j1; ++j) {
-        float* s = &p[(b * Lmax + j) * H];
-        dots(&q[b * H * C], H, C, row_of(b, j), s);
-        for (int64_t h = 0; h < H; ++h) s[h] = round_to<QT>(round_to<QT>(s[h]) * scale);
+      int64_t j = j0;
+      for (; j + 3 <= j1; j += 3) {
+        const CT* rows[3] = {row_of(b, j), row_of(b, j + 1), row_of(b, j + 2)};
+        score_rows<CT, 3>(&q[b * H * C], H, C, rows, &p[(b * Lmax + j) * H]);
+      }
+      for (; j < j1; ++j) {
+        const CT* rows[1] = {row_of(b, j)};
+        score_rows<CT, 1>(&q[b * H * C], H, C, rows, &p[(b * Lmax + j) * H]);
+      }
+      for (int64_t i = j0 * H; i < j1 * H; i += 16) {      // rounded to the query's dtype, scaled in it
+        float* s = &p[b * Lmax * H + i];
+        const __mmask16 m = lanes(j1 * H - i);
+        _mm512_mask_storeu_ps(s, m, round_vec<QT>(_mm512_mul_ps(round_vec<QT>(_mm512_maskz_loadu_ps(m, s)), scale_v)));
       }
     }
   });
-  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {     // softmax as torch's: exp(x - max) * (1 / sum)
+  // softmax over each row's positions as torch computes it, exp(x - max) * (1 / sum); 16 heads to a vector
+  const int64_t head_vecs = (H + 15) / 16;
+  at::parallel_for(0, B * head_vecs, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / H, L = positions[b] + 1;
-      float* s = &p[b * Lmax * H + t % H];                         // one head's scores, H apart
-      float top = -INFINITY, sum = 0.f;
-      for (int64_t j = 0; j < L; ++j) top = std::max(top, s[j * H]);
-      for (int64_t j = 0; j < L; ++j) sum += (s[j * H] = std::exp(s[j * H] - top));
-      const float inv = 1.f / sum;
-      for (int64_t j = 0; j < L; ++j) s[j * H] = round_to<QT>(s[j * H] * inv);
+      const int64_t b = t / head_vecs, h0 = t % head_vecs * 16, L = positions[b] + 1;
+      const __mmask16 m = lanes(H - h0);
+      float* s = &p[b * Lmax * H + h0];
+      __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < L; ++j) top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(m, s + j * H));
+      for (int64_t j = 0; j < L; ++j) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j * H), top));
+        _mm512_mask_storeu_ps(s + j * H, m, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+      for (int64_t j = 0; j < L; ++j)
+        _mm512_mask_storeu_ps(s + j * H, m, round_vec<QT>(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j * H), inv)));
     }
   });
-  // context: a task is 16 latent columns of one row, every head, so each cache row is read once more in all
-  const int64_t col_blocks = (rank + kBlock - 1) / kBlock;
-  at::parallel_for(0, B * col_blocks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<__m512> acc(H);
-    alignas(64) float part[kBlock] = {}, sums[kBlock];
+  // context: a task is 16 latent columns of one row for up to 16 heads (accumulators in registers)
+  const int64_t col_blocks = (rank + kBlock - 1) / kBlock, head_groups = (H + 15) / 16;
+  at::parallel_for(0, B * col_blocks * head_groups, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / col_blocks, c0 = t % col_blocks * kBlock, n = std::min(kBlock, rank - c0);
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      for (int64_t j = 0; j <= positions[b]; ++j) {
-        const CT* row = row_of(b, j) + c0;
-        __m512 v;
-        if (n == kBlock) {
-          v = load_widened(raw(row));
-        } else {                                       // a last partial block: lanes past n stay zero
-          for (int64_t k = 0; k < n; ++k) part[k] = to_float(row[k]);
-          v = _mm512_load_ps(part);
-        }
-        const float* pj = &p[(b * Lmax + j) * H];
-        for (int64_t h = 0; h < H; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(pj[h]), v, acc[h]);
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        _mm512_store_ps(sums, acc[h]);
-        for (int64_t k = 0; k < n; ++k) out[(b * H + h) * rank + c0 + k] = QT(sums[k]);
-      }
+      const int64_t b = t / (col_blocks * head_groups), c0 = t / head_groups % col_blocks * kBlock;
+      const int64_t n = std::min(kBlock, rank - c0), L = positions[b] + 1;
+      int64_t h = t % head_groups * 16;
+      const int64_t h1 = std::min(h + 16, H);
+      const float* pb = &p[b * Lmax * H];
+      QT* ob = out + b * H * rank;
+      const CT* rows = row_of(b, 0);
+      for (; h + 16 <= h1; h += 16) context_heads<QT, CT, 16>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
+      for (; h + 8 <= h1; h += 8) context_heads<QT, CT, 8>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
+      for (; h + 4 <= h1; h += 4) context_heads<QT, CT, 4>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
+      for (; h < h1; ++h) context_heads<QT, CT, 1>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
     }
   });
 }
