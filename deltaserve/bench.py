@@ -44,14 +44,17 @@ def decode_rate(engine: Engine, batch: int, prompt_tokens: int, steps: int) -> f
     return batch * steps / elapsed
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
-    """Bytes per second this machine reads from memory with torch's threads: the best of a few sums over a buffer
-    larger than any cache."""
-    buf = torch.ones(nbytes // 4)
+def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes per second the device reads from its memory (a CPU with torch's threads): the best of a few sums over a
+    buffer larger than any cache."""
+    buf = torch.ones(nbytes // 4, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + 1):            # the first sum on a GPU also loads its kernel
+        sync()
         t0 = time.perf_counter()
         buf.sum()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
 
@@ -72,7 +75,7 @@ def run_bench(llm: Any, load_s: float, prompt_tokens: int, decode_tokens: int, b
     engine.cache.clear()
     decode1 = decode_rate(engine, 1, 32, decode_tokens)
     bytes_per_token, bytes_per_batch = (llm.model.weight_bytes_per_step(b) for b in (1, batch))
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(engine.device)
     decode_batch = decode_rate(engine, batch, 32, decode_tokens)
     return {
         "load_s": load_s,

@@ -396,11 +396,12 @@ class Engine:
             self.step()
 
     def warmup(self) -> None:
-        """Run every path a request can take (prefill chunks at position 0 and later, a prompt tail, decode at
-        every batch size up to max_num_seqs, greedy and sampled, snapshot and full and partial restore; penalties,
-        logit bias, min-p, log-probabilities of output and prompt; a grammar-constrained request beside a free one,
-        with the grammar compiler built), then forget the warmup's cache entries. A context too short for some of
-        these runs what fits."""
+        """Capture the runner's CUDA graphs, then run every path a request can take (prefill chunks at position 0
+        and later, a prompt tail, decode at every batch size up to max_num_seqs, greedy and sampled, snapshot and
+        full and partial restore; penalties, logit bias, min-p, log-probabilities of output and prompt; a
+        grammar-constrained request beside a free one, with the grammar compiler built), then forget the warmup's
+        cache entries. A context too short for some of these runs what fits."""
+        self.runner.warm()
         n = min(2 * self.prefill_tokens + 3, self.max_model_len - 4)     # room for 2 more tokens and 2 outputs
         prompt = [i % self.cfg.vocab_size for i in range(1, n + 1)]
         greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

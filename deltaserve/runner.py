@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from .compiled import CompiledModel, can_compile
+from .cuda_graphs import CudaGraphs, can_graph
+from .ops.cpu_kernels import MAX_ROWS
 from .state import Snapshot, StatePool
 
 
@@ -18,13 +20,16 @@ class ModelFailure(RuntimeError):
 class ModelRunner:
     def __init__(self, model: nn.Module, num_slots: int, max_len: int, compile: bool = False):
         """`model`: a registered family's model (models/spec.py): forward(tokens, state, last_only), state_spec().
-        `compile`: decode steps of 1..8 sequences and KDA prefill chunks through torch.compile where it applies
-        (compiled.py)."""
+        `compile`: on a CPU, decode steps of 1..8 sequences and KDA prefill chunks through torch.compile where it
+        applies (compiled.py); on CUDA, decode steps of 1..8 sequences as CUDA graphs (cuda_graphs.py)."""
         self.model, self.cfg = model, model.cfg
         self.compiled = CompiledModel(model) if compile and can_compile(model) else None
         self.chunk_size = model.chunk_size
         self.device = next(model.parameters()).device
-        self.pool = StatePool(model.state_spec(), num_slots, max_len, self.device)
+        graphs = compile and can_graph(model)
+        # with CUDA graphs, one more slot than the engine assigns: the graphs' capture runs write there
+        self.pool = StatePool(model.state_spec(), num_slots + graphs, max_len, self.device)
+        self.graphs = CudaGraphs(model, self.pool, scratch_slot=num_slots) if graphs else None
         self._snapshot_ids = itertools.count()
         self.snapshots: dict[int, Snapshot] = {}      # this process's part of each live snapshot
 
@@ -33,12 +38,19 @@ class ModelRunner:
         """Append each row of `tokens` to its slot; logits of each row's last position, [B, vocab] float32 (of
         every position, [B, T, vocab], without `last_only`)."""
         batch = torch.tensor(tokens, device=self.device)
+        if last_only and self.graphs is not None and batch.shape[1] == 1 and batch.shape[0] <= MAX_ROWS:
+            return self.graphs.step(batch, slots, starts)
         state = self.pool.view(slots, starts)
         if last_only and self.compiled is not None and self.compiled.decodes(batch):
             logits = self.compiled.decode_step(batch, state)
             if logits is not None:
                 return logits
         return self.model(batch, state, last_only=last_only)
+
+    def warm(self) -> None:
+        """Capture every CUDA graph now (the engine's warmup), not at each one's first use."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     def logits(self, ids: list[int], step: int) -> torch.Tensor:
         """Logits at every position of a fresh sequence, computed `step` tokens at a time in a private pool."""

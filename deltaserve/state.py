@@ -48,6 +48,12 @@ class StatePool:
     def view(self, slots: list[int], starts: list[int]) -> "StateView":
         return StateView(self, slots, starts)
 
+    def graph_view(self, slot_ids: torch.Tensor, positions: torch.Tensor, span: int) -> "StateView":
+        """A decode view whose every tensor op reads the slots and lengths from `slot_ids` and `positions` (device
+        tensors the caller refills), with attention over the first `span` positions: the same work whatever their
+        values, so a CUDA graph captured once replays for any of them (lengths below `span`, checked by the caller)."""
+        return StateView(self, slot_ids.tolist(), positions.tolist(), span, slot_ids, positions)
+
     def reset(self, slot: int) -> None:
         """Forget a slot's recurrent state (caches are overwritten from position 0 and masked beyond)."""
         for key, t in self.tensors.items():
@@ -68,12 +74,13 @@ class StateView:
     (`slot_ids`, `positions`) for decode kernels that work in place on the pool, whose shapes then do not depend
     on the slots or lengths (what a compiled decode step needs)."""
 
-    def __init__(self, pool: StatePool, slots: list[int], starts: list[int]):
-        self.pool, self.slots, self.starts = pool, slots, starts
+    def __init__(self, pool: StatePool, slots: list[int], starts: list[int], span: int | None = None,
+                 slot_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        self.pool, self.slots, self.starts, self.span = pool, slots, starts, span
         self.device = pool.device
-        self.slot_ids = torch.tensor(slots, device=self.device)
-        self.positions = torch.tensor(starts, device=self.device)
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        self.slot_ids = torch.tensor(slots, device=self.device) if slot_ids is None else slot_ids
+        self.positions = torch.tensor(starts, device=self.device) if positions is None else positions
+        contiguous = span is None and slots == list(range(slots[0], slots[0] + len(slots)))
         self.rows = slice(slots[0], slots[0] + len(slots)) if contiguous else self.slot_ids
         self._mask: tuple[int, torch.Tensor, int] | None = None
 
@@ -96,9 +103,9 @@ class StateView:
         B, T, _ = values.shape
         cache = self.pool.tensors[layer, name]
         values = values.to(cache.dtype)
-        if max(self.starts) + T > self.pool.max_len:
+        if self.span is None and max(self.starts) + T > self.pool.max_len:
             raise ValueError(f"sequence of {max(self.starts) + T} tokens exceeds the state's {self.pool.max_len}")
-        if B == 1:
+        if B == 1 and self.span is None:
             cache[self.slots[0], self.starts[0]:self.starts[0] + T] = values[0]
         else:
             pos = self.positions[:, None] + torch.arange(T, device=self.device)
@@ -109,7 +116,7 @@ class StateView:
     def attend_mask(self, T: int) -> tuple[torch.Tensor, int]:
         """Key p is visible to query t of row b iff p <= starts[b] + t (causal, per-row length)."""
         if self._mask is None or self._mask[0] != T:
-            L = max(self.starts) + T
+            L = max(self.starts) + T if self.span is None else self.span
             query_pos = self.positions[:, None] + torch.arange(T, device=self.device)        # [B, T]
             mask = torch.arange(L, device=self.device)[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
             self._mask = (T, mask.unsqueeze(1), L)

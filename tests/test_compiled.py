@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.layers.linear import CPU_BF16_ARITHMETIC
 
 
 def decode_both_ways(llm: LLM, batch: int, steps: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +41,10 @@ def test_compiled_decode_equals_eager(tiny_dir, dtype):
         assert not llm.runner.compiled.decode.failed
         if dtype == "float32":
             assert (compiled - eager).abs().max() <= 1e-4
-        elif batch == 1:
-            assert torch.equal(compiled, eager)       # eager's roundings (emulate_precision_casts), same kernels
+        elif batch == 1 and not CPU_BF16_ARITHMETIC:
+            # eager's roundings (emulate_precision_casts), same kernels; where bf16 products run in bf16, inductor's
+            # own small attention products sum in another order (one bf16 rounding apart)
+            assert torch.equal(compiled, eager)
         else:
             assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
             assert (compiled - eager).abs().max() <= 0.05

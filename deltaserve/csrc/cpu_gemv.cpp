@@ -33,16 +33,23 @@ inline __m512 load_widened(const uint16_t* w) {
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return bf16_to_float(w); }
 
+// Decode streams each weight from memory once, and at 2 threads the hardware prefetchers alone kept it at 15-20 GB/s
+// of the ~30 a plain sum reads: every read also asks for the line kPrefetchBytes further on into L2 (measured on a
+// decode step's mix of shapes, 2 threads: fp32 20 -> 28 GB/s, bf16 16 -> 31; 8-16 KB ahead did best, the L1 hint
+// and shorter distances did worse). A prefetch past the end of a tensor does not fault.
+constexpr int64_t kPrefetchBytes = 16384;
+inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1); }
+
+template <typename T> inline void store(T* y, float v) { *y = T(v); }       // bf16: rounded to nearest even
+
 // R output rows per pass: with few input rows, one accumulator per (row, input row) is a single FMA chain whose
 // latency, not memory, would bound the speed; R independent rows hide it. Each row's sum is the same sequence of
 // FMAs whatever R and M are, so results do not depend on the batch.
-// Dense weights take more rows a pass (measured on a 256 MB matrix, 2 threads: fp32 at 8 input rows 16.6 -> 24.8
-// GB/s, bf16 12.9 -> 15.8); the quantized kernels, whose decoding needs registers too, get slower with them.
 constexpr int rows_per_pass(int M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
-constexpr int dense_rows_per_pass(int M) { return M <= 4 ? 4 : 3; }
+constexpr int dense_rows_per_pass(int M) { return M <= 2 ? 3 : 2; }
 
-template <typename WT, int M, int R>
-void dense_block(const float* x, int64_t K, const WT* W, int64_t n, float* y, int64_t N) {
+template <typename WT, typename OT, int M, int R>
+void dense_block(const float* x, int64_t K, const WT* W, int64_t n, OT* y, int64_t N) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -52,7 +59,7 @@ void dense_block(const float* x, int64_t K, const WT* W, int64_t n, float* y, in
     for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
     for (int r = 0; r < R; ++r) {
       const WT* w = W + (n + r) * K + k;
-      _mm_prefetch((const char*)(w + 4 * R * K), _MM_HINT_T0);    // 4R rows ahead: keeps L3 reads in flight
+      prefetch_ahead(w);
       const __m512 wv = load_widened(w);
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
@@ -62,17 +69,53 @@ void dense_block(const float* x, int64_t K, const WT* W, int64_t n, float* y, in
     for (int m = 0; m < M; ++m) {
       float s = _mm512_reduce_add_ps(acc[r][m]);
       for (int64_t j = k; j < K; ++j) s += widen(w[j]) * x[m * K + j];
-      y[m * N + n + r] = s;
+      store(y + m * N + n + r, s);
     }
   }
 }
 
-template <typename WT, int M>
-void dense_rows(const float* x, int64_t K, const WT* W, int64_t n0, int64_t n1, float* y, int64_t N) {
+template <typename WT, typename OT, int M>
+void dense_rows(const float* x, int64_t K, const WT* W, int64_t n0, int64_t n1, OT* y, int64_t N) {
   constexpr int R = dense_rows_per_pass(M);
   int64_t n = n0;
-  for (; n + R <= n1; n += R) dense_block<WT, M, R>(x, K, W, n, y, N);
-  for (; n < n1; ++n) dense_block<WT, M, 1>(x, K, W, n, y, N);
+  for (; n + R <= n1; n += R) dense_block<WT, OT, M, R>(x, K, W, n, y, N);
+  for (; n < n1; ++n) dense_block<WT, OT, M, 1>(x, K, W, n, y, N);
+}
+
+// bf16 weights times bf16 inputs on CPUs with AVX512-BF16: one vdpbf16ps multiplies 32 pairs (exactly: a product of
+// two bf16 values fits in fp32) and adds them to 16 fp32 sums, two to a lane in a fixed order. Twice the products of
+// an FMA and no widening: at 8 rows the FMA form is bound by arithmetic (bf16 8-row GEMV 11.5 -> 22.9 GB/s).
+// Masked loads read the tail as zeros, so every K takes the same instruction sequence.
+const bool kBf16Dot = __builtin_cpu_supports("avx512bf16");
+constexpr int bf16_rows_per_pass(int M) { return M == 1 ? 1 : 2; }
+
+template <typename OT, int M, int R>
+__attribute__((target("avx512bf16"))) void bf16_block(const uint16_t* x, int64_t K, const uint16_t* W, int64_t n,
+                                                      OT* y, int64_t N) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 lanes = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(lanes, x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* w = W + (n + r) * K + k;
+      prefetch_ahead(w);
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, w);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) store(y + m * N + n + r, _mm512_reduce_add_ps(acc[r][m]));
+}
+
+template <typename OT, int M>
+void bf16_rows(const uint16_t* x, int64_t K, const uint16_t* W, int64_t n0, int64_t n1, OT* y, int64_t N) {
+  constexpr int R = bf16_rows_per_pass(M);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) bf16_block<OT, M, R>(x, K, W, n, y, N);
+  for (; n < n1; ++n) bf16_block<OT, M, 1>(x, K, W, n, y, N);
 }
 
 // 2^(s - 127): the float whose exponent field is s (s = 0, below the normal range, is 2^-127 = bit 22 alone)
@@ -97,7 +140,9 @@ void mxfp4_block(const float* xe, const float* xo, int64_t K, const uint8_t* P, 
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     for (int r = 0; r < R; ++r) {
-      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(P + (n + r) * half + b * 16)));
+      const uint8_t* packed = P + (n + r) * half + b * 16;
+      prefetch_ahead(packed);
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)packed));
       const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(codes, low_nibble), table);
       const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
       const __m512 scale = _mm512_set1_ps(e8m0(S[(n + r) * blocks + b]));
@@ -131,6 +176,7 @@ void q8_block(const float* x, int64_t K, const int8_t* Q, const float* S, int64_
   for (int64_t b = 0; b < blocks; ++b) {
     for (int r = 0; r < R; ++r) {
       const int8_t* q = Q + (n + r) * K + b * 32;
+      prefetch_ahead(q);
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
       const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
       const __m512 scale = _mm512_set1_ps(S[(n + r) * blocks + b]);
@@ -177,16 +223,6 @@ void by_rows(int64_t M, int64_t N, int64_t grain, Args... args) {
   });
 }
 
-template <typename WT>
-struct Dense {
-  template <int M>
-  struct Rows {
-    static void run(const float* x, int64_t K, const WT* W, float* y, int64_t N, int64_t n0, int64_t n1) {
-      dense_rows<WT, M>(x, K, W, n0, n1, y, N);
-    }
-  };
-};
-
 template <int M>
 struct Mxfp4Rows {
   static void run(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, float* y,
@@ -203,50 +239,80 @@ struct Q8Rows {
   }
 };
 
-torch::Tensor rows_input(const torch::Tensor& x, int64_t K) {
+torch::Tensor input_rows(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "x must be [..., ", K, "]");
   const auto rows = x.reshape({-1, K});
   TORCH_CHECK(rows.size(0) >= 1 && rows.size(0) <= kMaxRows, "x must have 1..", kMaxRows, " rows");
-  return rows.to(torch::kFloat).contiguous();
+  return rows;
 }
 
-// Rows of inputs in the forms the kernels read: fp32, and for MXFP4 their even and odd elements apart.
+// Rows of inputs in the forms the kernels read for weights W: bf16 as they are for bf16 weights on a CPU with
+// AVX512-BF16, else fp32, and for MXFP4 (uint8 W) their even and odd elements apart.
 struct Inputs {
-  torch::Tensor f, even, odd;
-  Inputs(const torch::Tensor& x, bool mxfp4) : f(x.to(torch::kFloat).contiguous()) {
-    if (mxfp4) {
+  torch::Tensor b, f, even, odd;
+  Inputs(const torch::Tensor& x, const torch::Tensor& W) {
+    if (kBf16Dot && x.scalar_type() == torch::kBFloat16 && W.scalar_type() == torch::kBFloat16) {
+      b = x.contiguous();
+      return;
+    }
+    f = x.to(torch::kFloat).contiguous();
+    if (W.scalar_type() == torch::kByte) {
       const auto pairs = f.view({f.size(0), f.size(1) / 2, 2});
       even = pairs.select(2, 0).contiguous(), odd = pairs.select(2, 1).contiguous();
     }
   }
-  const float* row(const torch::Tensor& t, int64_t i) const {
-    return t.defined() ? t.data_ptr<float>() + i * t.size(1) : nullptr;
+  int64_t rows() const { return (b.defined() ? b : f).size(0); }
+  template <typename T = float>
+  const T* row(const torch::Tensor& t, int64_t i) const {
+    return t.defined() ? static_cast<const T*>(t.data_ptr()) + i * t.size(1) : nullptr;
   }
 };
 
-// y [M, N] fp32 -> x's leading shape and dtype.
+// y [M, N] -> x's leading shape and dtype.
 torch::Tensor like_input(const torch::Tensor& y, const torch::Tensor& x) {
   auto shape = x.sizes().vec();
   shape.back() = y.size(1);
   return y.view(shape).to(x.scalar_type());
 }
 
+// y[m] = W x[m] for rows [n0, n1) of a dense W (fp32 or bf16), each result rounded once to OT.
+template <typename OT, int M>
+void dense_product(const Inputs& x, int64_t row0, const torch::Tensor& W, const char* base, int64_t n0, int64_t n1,
+                   OT* y, int64_t N) {
+  const int64_t K = W.size(-1);
+  if (x.b.defined())
+    bf16_rows<OT, M>(x.row<uint16_t>(x.b, row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
+  else if (W.scalar_type() == torch::kBFloat16)
+    dense_rows<uint16_t, OT, M>(x.row(x.f, row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
+  else
+    dense_rows<float, OT, M>(x.row(x.f, row0), K, reinterpret_cast<const float*>(base), n0, n1, y, N);
+}
+
+template <typename OT>
+void gemv_into(const Inputs& x, const torch::Tensor& W, torch::Tensor& y) {
+  const int64_t N = W.size(0);
+  OT* out = static_cast<OT*>(y.data_ptr());
+  const char* base = static_cast<const char*>(W.data_ptr());
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    with_rows(x.rows(), [&](auto m) { dense_product<OT, decltype(m)::value>(x, 0, W, base, n0, n1, out, N); });
+  });
+}
+
 }  // namespace
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& W) {
   TORCH_CHECK(W.dim() == 2 && W.is_contiguous(), "W must be a contiguous [N, K] matrix");
+  TORCH_CHECK(W.scalar_type() == torch::kFloat || W.scalar_type() == torch::kBFloat16, "W must be float32 or bfloat16");
   const int64_t N = W.size(0), K = W.size(1);
-  const auto xf = rows_input(x, K);
-  const int64_t M = xf.size(0);
-  auto y = torch::empty({M, N}, xf.options());
-  if (W.scalar_type() == torch::kBFloat16) {
-    by_rows<Dense<uint16_t>::Rows>(M, N, 64, xf.data_ptr<float>(), K, (const uint16_t*)W.data_ptr(),
-                                   y.data_ptr<float>(), N);
-  } else {
-    TORCH_CHECK(W.scalar_type() == torch::kFloat, "W must be float32 or bfloat16");
-    by_rows<Dense<float>::Rows>(M, N, 64, xf.data_ptr<float>(), K, W.data_ptr<float>(), y.data_ptr<float>(), N);
-  }
-  return like_input(y, x);
+  const Inputs xs(input_rows(x, K), W);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  // fp32 or bf16 results are written as such; another input dtype gets fp32 results converted
+  const bool direct = x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16;
+  auto y = torch::empty({xs.rows(), N}, x.options().dtype(direct ? x.scalar_type() : torch::kFloat));
+  if (y.scalar_type() == torch::kBFloat16) gemv_into<at::BFloat16>(xs, W, y);
+  else gemv_into<float>(xs, W, y);
+  return y.view(shape).to(x.scalar_type());
 }
 
 torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
@@ -255,8 +321,8 @@ torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, co
               "packed [N, K/2] and scales [N, K/32] must be contiguous uint8");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(K % 32 == 0 && scales.size(0) == N && scales.size(1) == K / 32, "scales must be [N, K/32]");
-  const Inputs xs(rows_input(x, K), true);
-  const int64_t M = xs.f.size(0);
+  const Inputs xs(input_rows(x, K), packed);
+  const int64_t M = xs.rows();
   auto y = torch::empty({M, N}, xs.f.options());
   by_rows<Mxfp4Rows>(M, N, 16, xs.even.data_ptr<float>(), xs.odd.data_ptr<float>(), K, packed.data_ptr<uint8_t>(),
                      scales.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
@@ -268,10 +334,10 @@ torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torc
   const int64_t N = q.size(0), K = q.size(1);
   TORCH_CHECK(K % 32 == 0 && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / 32 &&
               scales.scalar_type() == torch::kFloat && scales.is_contiguous(), "scales must be float32 [N, K/32]");
-  const auto xf = rows_input(x, K);
-  const int64_t M = xf.size(0);
-  auto y = torch::empty({M, N}, xf.options());
-  by_rows<Q8Rows>(M, N, 32, xf.data_ptr<float>(), K, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
+  const Inputs xs(input_rows(x, K), q);
+  const int64_t M = xs.rows();
+  auto y = torch::empty({M, N}, xs.f.options());
+  by_rows<Q8Rows>(M, N, 32, xs.f.data_ptr<float>(), K, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
                   y.data_ptr<float>(), N);
   return like_input(y, x);
 }
@@ -426,21 +492,17 @@ template <int M>
 void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, int64_t n1,
                 float* y) {
   const int64_t N = w[0].size(1), e = g.expert;
-  const float* xf = x.row(x.f, g.begin);
   auto expert_base = [&](int i) {
     return static_cast<const char*>(w[i].data_ptr()) + e * w[i].stride(0) * w[i].element_size();
   };
   if (w.size() == 1) {
-    const int64_t K = w[0].size(2);
-    if (w[0].scalar_type() == torch::kBFloat16)
-      dense_rows<uint16_t, M>(xf, K, (const uint16_t*)expert_base(0), n0, n1, y, N);
-    else
-      dense_rows<float, M>(xf, K, (const float*)expert_base(0), n0, n1, y, N);
+    dense_product<float, M>(x, g.begin, w[0], expert_base(0), n0, n1, y, N);
   } else if (w[0].scalar_type() == torch::kByte) {
     mxfp4_rows<M>(x.row(x.even, g.begin), x.row(x.odd, g.begin), w[0].size(2) * 2, (const uint8_t*)expert_base(0),
                   (const uint8_t*)expert_base(1), n0, n1, y, N);
   } else {
-    q8_rows<M>(xf, w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1, y, N);
+    q8_rows<M>(x.row(x.f, g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1,
+               y, N);
   }
 }
 
@@ -452,7 +514,7 @@ torch::Tensor experts_product(at::TensorList w, const std::vector<Group>& groups
   TORCH_CHECK(w[0].dim() == 3 && w[0].is_contiguous() && (w.size() == 1 || w[1].is_contiguous()),
               "stacked expert weights must be contiguous [E, N, ...]");
   for (const auto& g : groups) TORCH_CHECK(g.expert >= 0 && g.expert < w[0].size(0), "expert id out of range");
-  auto y = torch::empty({x.f.size(0), N}, torch::kFloat);
+  auto y = torch::empty({x.rows(), N}, torch::kFloat);
   float* out = y.data_ptr<float>();
   at::parallel_for(0, G * N, 16, [&](int64_t t0, int64_t t1) {
     while (t0 < t1) {                       // split the range at group boundaries
@@ -475,7 +537,6 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == h.size(0) && ids.scalar_type() == torch::kLong,
               "ids must be int64 [N, k]");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "weights must be fp32 [N, k]");
-  const bool mxfp4 = w13[0].scalar_type() == torch::kByte;
   const auto dtype = h.scalar_type();
   const int64_t k = ids.size(1), A = ids.numel();
   const auto id = ids.contiguous();
@@ -491,7 +552,7 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
     else groups.back().end = a + 1;
   }
   const auto tokens = torch::tensor(token, torch::kLong);
-  const auto gate_up = experts_product(w13, groups, Inputs(h.index_select(0, tokens), mxfp4)).to(dtype);
+  const auto gate_up = experts_product(w13, groups, Inputs(h.index_select(0, tokens), w13[0])).to(dtype);
   const int64_t I = gate_up.size(1) / 2;
   const auto gate = gate_up.narrow(1, 0, I), up = gate_up.narrow(1, I, I);
   // elementwise, so all groups at once give each expert's values (rows stay I long: the same vector/tail split)
@@ -502,7 +563,7 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
   } else {
     act = torch::silu(gate) * up;
   }
-  const auto down = experts_product(w2, groups, Inputs(act, mxfp4));            // fp32 [A, R]
+  const auto down = experts_product(w2, groups, Inputs(act, w2[0]));            // fp32 [A, R]
   // each assignment in expert order, rounded where the loop rounds: the product to h's dtype, times the routing
   // weight in fp32, rounded, then added to its token's running sum in h's dtype (the loop's index_add_ per expert;
   // summing a token's experts in fp32 and rounding once would differ)

@@ -125,6 +125,8 @@ class MoE(nn.Module):
         if fused is not None:
             return fused.routed_experts(h, ids, weights, self._stacked("w13"), self._stacked("w2"),
                                         self.cfg.hidden_act == "situ", self.cfg.situ_beta, self.cfg.situ_linear_beta)
+        if N <= MAX_ROWS and self.gathers_experts:
+            return self.experts_gathered(h, ids, weights)
         by_expert: dict[int, list[int]] = {}
         for slot, e in enumerate(ids.flatten().tolist()):
             by_expert.setdefault(e, []).append(slot)
@@ -135,6 +137,28 @@ class MoE(nn.Module):
             tokens = slots // k
             y = self.expert(e, h[tokens], qdq) * flat_weights[slots, None]
             out.index_add_(0, tokens, y.to(h.dtype))
+        return out
+
+    @property
+    def gathers_experts(self) -> bool:
+        """Whether a decode step's experts run through `experts_gathered` (dense weights off the CPU)."""
+        w13 = getattr(self, "w13", None)
+        return isinstance(w13, torch.Tensor) and w13.device.type != "cpu" and not self.cfg.expert_input_mxfp8
+
+    def experts_gathered(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`experts` for a few tokens with no host sync and shapes fixed by [N, k] (what a CUDA graph needs): each
+        (token, expert) pair's weights gathered and applied as one batched product, summed per token in ascending
+        expert order like the loop."""
+        N, k = ids.shape
+        order = ids.argsort(dim=1)
+        ids, weights = ids.gather(1, order).flatten(), weights.gather(1, order).flatten()
+        x = h.repeat_interleave(k, dim=0).unsqueeze(-1)                              # [N k, R, 1]
+        gate, up = torch.bmm(self.w13[ids], x).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.w2[ids], self.act(gate, up).unsqueeze(-1)).squeeze(-1) * weights[:, None]
+        y = y.to(h.dtype).view(N, k, -1)
+        out = torch.zeros_like(h)
+        for j in range(k):
+            out = out + y[:, j]
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
