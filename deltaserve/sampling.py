@@ -134,7 +134,7 @@ class Sampler:
             kth = logits.topk(p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if p.top_p < 1.0:
-            sorted_logits, order = logits.sort(descending=True)
+            sorted_logits, order = logits.sort(descending=True, stable=True)   # ties: the lowest id first, as argmax
             probs = sorted_logits.softmax(-1)
             # drop a token once the mass before it already reaches top_p (the first token always stays)
             drop = probs.cumsum(-1) - probs >= p.top_p
