@@ -9,8 +9,9 @@ of an eager step is gone. No shape depends on the slots or the sequence lengths:
 state pool in place by slot index (state.py `slot_ids`, `positions`). The prefill part (ops/delta_rule.py
 `chunk_prepare`) fuses the intra-chunk decay products, which eagerly take several passes over [C, C, K] tensors.
 Roundings follow eager (inductor's `emulate_precision_casts`): bf16 decode logits equal eager's bit for bit at
-batch 1 where bf16 products are widened to fp32 (CPUs without bf16 arithmetic), else within one bf16 rounding. Compiled graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, default
-~/.cache/deltaserve/inductor), so a restart redoes only the Python-level trace. Off with `enforce_eager`.
+batch 1 where bf16 products are widened to fp32 (CPUs without bf16 arithmetic), else within one bf16 rounding.
+Compiled graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, default ~/.cache/deltaserve/inductor), so a
+restart redoes only the Python-level trace. Off with `enforce_eager`.
 """
 from __future__ import annotations
 

@@ -56,16 +56,19 @@ class CudaGraphs:
             return
         self.slot_ids.fill_(self.scratch)
         self.positions.zero_()
-        inputs = self.tokens[:batch], self.slot_ids[:batch], self.positions[:batch]
-        step = lambda: self.model(inputs[0], self.pool.graph_view(inputs[1], inputs[2], span), last_only=True)
-        side = torch.cuda.Stream()          # first runs (cuBLAS handles, Triton autotuning) outside the capture
+        tokens = self.tokens[:batch]
+        # views made before capturing (making one reads the slots to the host, which a capture forbids), one per
+        # run: a view keeps the attention mask it first builds, and the captured one must build its own
+        first_view, captured_view = (self.pool.graph_view(self.slot_ids[:batch], self.positions[:batch], span)
+                                     for _ in range(2))
+        side = torch.cuda.Stream()          # a first run (cuBLAS handles, Triton autotuning) outside the capture
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step()
+            self.model(tokens, first_view, last_only=True)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory_pool):
-            logits = step()
+            logits = self.model(tokens, captured_view, last_only=True)
         self.graphs[batch, span] = graph, logits
 
     def step(self, tokens: torch.Tensor, slots: list[int], starts: list[int]) -> torch.Tensor:

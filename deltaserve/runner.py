@@ -28,7 +28,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         graphs = compile and can_graph(model)
         # with CUDA graphs, one more slot than the engine assigns: the graphs' capture runs write there
-        self.pool = StatePool(model.state_spec(), num_slots + graphs, max_len, self.device)
+        self.pool = StatePool(model.state_spec(), num_slots + int(graphs), max_len, self.device)
         self.graphs = CudaGraphs(model, self.pool, scratch_slot=num_slots) if graphs else None
         self._snapshot_ids = itertools.count()
         self.snapshots: dict[int, Snapshot] = {}      # this process's part of each live snapshot
