@@ -9,17 +9,19 @@ k = kernels()
 pytestmark = pytest.mark.skipif(k is None, reason="needs an x86 CPU with AVX-512 and a C++ compiler")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("K", [512, 100])                  # 100: a tail shorter than one 16-wide vector
-def test_gemv_equals_float64_reference(dtype, K):
+@pytest.mark.parametrize("dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                           (torch.bfloat16, torch.bfloat16)])   # bf16 x bf16: pairs (AVX512-BF16)
+@pytest.mark.parametrize("K", [512, 96, 100])      # 96: one 32-pair step and a tail; 100: shorter than a vector
+def test_gemv_equals_float64_reference(dtype, x_dtype, K):
     g = torch.Generator().manual_seed(K)
     W = torch.randn(300, K, generator=g).to(dtype)
-    x = torch.randn(8, K, generator=g)
+    x = torch.randn(8, K, generator=g).to(x_dtype)
     ref = (x.double() @ W.double().T)
+    rounding = 2.0 ** -8 if x_dtype == torch.bfloat16 else 1e-5    # results are written in x's dtype
     for M in range(1, 9):
         got = k.gemv(x[:M], W)
-        assert got.dtype == torch.float32
-        assert (got.double() - ref[:M]).abs().max() <= 1e-5 * ref.abs().max()
+        assert got.dtype == x_dtype
+        assert (got.double() - ref[:M]).abs().max() <= rounding * ref.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,14 +50,16 @@ def test_mxfp4_gemv_equals_the_dequantized_product():
         assert (k.gemv_mxfp4(x[:M], packed, scales).double() - ref[:M]).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("weights", ["bf16", "bf16 x bf16", "mxfp4"])
 def test_a_rows_result_does_not_depend_on_the_batch(weights):
     """Bitwise: decode at batch 8 gives each sequence what it gets alone (for any thread count)."""
     g = torch.Generator().manual_seed(1)
     W = torch.randn(640, 512, generator=g)
     x = torch.randn(8, 512, generator=g)
-    run = (lambda rows: k.gemv(rows, W.bfloat16())) if weights == "bf16" else \
-        (lambda rows: k.gemv_mxfp4(rows, *quantize_mxfp4(W)))
+    if weights == "bf16 x bf16":
+        x = x.bfloat16()
+    run = (lambda rows: k.gemv_mxfp4(rows, *quantize_mxfp4(W))) if weights == "mxfp4" else \
+        (lambda rows: k.gemv(rows, W.bfloat16()))
     together = run(x)
     threads = torch.get_num_threads()
     try:
