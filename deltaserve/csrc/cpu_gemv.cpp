@@ -1,8 +1,8 @@
-// Matrix-vector products for decode on x86 CPUs with AVX-512: y[M, N] = x[M, K] @ W[N, K]^T for a few rows (M <= 8)
-// against weights stored as fp32, bf16 or MXFP4 (packed E2M1 codes, low nibble = even element, one E8M0 scale per
-// 32). Decode is memory-bound: each weight is read once for all M rows, widened to fp32 in registers (bf16: a
-// shift; MXFP4: a 16-entry table lookup by permute) and accumulated in fp32. Each row of y is computed by one
-// thread in a fixed order, so a row's result does not depend on M, on the other rows or on the thread count.
+// Matrix-vector products for decode on x86 CPUs with AVX2 or AVX-512: y[M, N] = x[M, K] @ W[N, K]^T for a few rows
+// (M <= 8) against weights stored as fp32, bf16 or MXFP4 (packed E2M1 codes, low nibble = even element, one E8M0
+// scale per 32). Decode is memory-bound: each weight is read once for all M rows, widened to fp32 in registers
+// (bf16: a shift; MXFP4: a table lookup by permute) and accumulated in fp32. Each row of y is computed by one thread
+// in a fixed order, so a row's result does not depend on M, on the other rows or on the thread count.
 #include <torch/all.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -19,16 +19,145 @@ namespace {
 
 constexpr int kMaxRows = 8;
 
+// 16 floats as one AVX-512 register, or as two AVX2 halves (lo = lanes 0-7). Every kernel is written once against
+// these; the AVX2 forms give the AVX-512 ones' results bit for bit (same lane-wise FMA chains, the same reduction
+// tree as _mm512_reduce_add_ps, the same roundings), so a result does not depend on the CPU either.
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;
+struct V16 { __m512 v; };
+inline V16 zero() { return {_mm512_setzero_ps()}; }
+inline V16 set1(float a) { return {_mm512_set1_ps(a)}; }
+inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 load(const uint16_t* p) {        // bf16: a shift into the high half of each fp32
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16))};
+}
+inline V16 load_i8(const int8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))}; }
+inline void store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+inline V16 load_n(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(lanes(n), p)}; }  // lanes past n: 0
+inline void store_n(float* p, int64_t n, V16 a) { _mm512_mask_storeu_ps(p, lanes(n), a.v); }
+inline V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }       // a * b + c
+inline V16 fnma(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }     // c - a * b
+inline V16 operator+(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 operator-(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V16 operator*(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 operator/(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }        // b where either is NaN
+inline V16 vmin(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline float hmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
+inline uint32_t nan_bits(V16 a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }    // bit i: lane i is NaN
+inline uint32_t eq_bits(V16 a, V16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
+inline V16 round_nearest(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline V16 scale2(V16 a, V16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }    // a * 2^n, n integral
+// v rounded to bf16 and back (to nearest even, NaN to the quiet NaN, as c10::BFloat16 does)
+inline V16 round_bf16(V16 a) {
+  const __m512i u = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
+                               _mm512_set1_epi32(int(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return {_mm512_castsi512_ps(r)};
+}
+// the E2M1 values of 16 packed bytes: low nibbles (even elements) and high nibbles (odd ones)
+inline void e2m1_pairs(const uint8_t* p, V16& even, V16& odd) {
+  static const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                  -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  const __m512 table = _mm512_loadu_ps(kE2M1);
+  const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  even = {_mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), table)};
+  odd = {_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table)};
+}
+#else
+constexpr bool kAvx512 = false;
+struct V16 { __m256 lo, hi; };
+template <typename F> inline V16 each(V16 a, V16 b, F f) { return {f(a.lo, b.lo), f(a.hi, b.hi)}; }
+inline V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline V16 load(const uint16_t* p) {
+  return {widen_bf16(_mm_loadu_si128((const __m128i*)p)), widen_bf16(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+inline V16 load_i8(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
+}
+inline void store(float* p, V16 a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+inline __m256i lanes8(int64_t n) {     // lane i set where i < n
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(std::max<int64_t>(n, 0), 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V16 load_n(const float* p, int64_t n) {
+  return {_mm256_maskload_ps(p, lanes8(n)), _mm256_maskload_ps(p + 8, lanes8(n - 8))};
+}
+inline void store_n(float* p, int64_t n, V16 a) {
+  _mm256_maskstore_ps(p, lanes8(n), a.lo), _mm256_maskstore_ps(p + 8, lanes8(n - 8), a.hi);
+}
+inline V16 fma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 fnma(V16 a, V16 b, V16 c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 operator+(V16 a, V16 b) { return each(a, b, _mm256_add_ps); }
+inline V16 operator-(V16 a, V16 b) { return each(a, b, _mm256_sub_ps); }
+inline V16 operator*(V16 a, V16 b) { return each(a, b, _mm256_mul_ps); }
+inline V16 operator/(V16 a, V16 b) { return each(a, b, _mm256_div_ps); }
+inline V16 vmax(V16 a, V16 b) { return each(a, b, _mm256_max_ps); }
+inline V16 vmin(V16 a, V16 b) { return each(a, b, _mm256_min_ps); }
+// _mm512_reduce_add_ps's tree: high half + low half, then 4 + 4, then lanes {0,1} + {2,3}, then lane 0 + lane 1
+template <typename Op8, typename Op4>
+inline float reduce(V16 a, Op8 op8, Op4 op4) {
+  const __m256 t = op8(a.hi, a.lo);
+  const __m128 u = op4(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+  const __m128 w = op4(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(op4(w, _mm_shuffle_ps(w, w, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+inline float hsum(V16 a) { return reduce(a, _mm256_add_ps, _mm_add_ps); }
+inline float hmax(V16 a) { return reduce(a, _mm256_max_ps, _mm_max_ps); }
+inline uint32_t bits(__m256 lo, __m256 hi) {
+  return uint32_t(_mm256_movemask_ps(lo)) | uint32_t(_mm256_movemask_ps(hi)) << 8;
+}
+inline uint32_t nan_bits(V16 a) { return bits(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q), _mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q)); }
+inline uint32_t eq_bits(V16 a, V16 b) { return bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ)); }
+inline V16 round_nearest(V16 a) {
+  return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+// a * 2^n for integral n in -150..127, as scalef rounds it: a * 2^(n/2) is exact (a normal), times 2^(n - n/2)
+// rounds once
+inline __m256 scale2(__m256 a, __m256 n) {
+  const __m256i k = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(k, 1);
+  auto pow2 = [](__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); };
+  return _mm256_mul_ps(_mm256_mul_ps(a, pow2(half)), pow2(_mm256_sub_epi32(k, half)));
+}
+inline V16 scale2(V16 a, V16 n) { return {scale2(a.lo, n.lo), scale2(a.hi, n.hi)}; }
+inline __m256 round_bf16(__m256 a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)),
+                                     _mm256_set1_epi32(int(0xFFFF0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                          _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+inline V16 round_bf16(V16 a) { return {round_bf16(a.lo), round_bf16(a.hi)}; }
+// E2M1: the magnitude by the code's low 3 bits, the sign from bit 3
+inline __m256 e2m1(__m256i codes) {
+  const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), codes);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+  return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+}
+inline void e2m1_pairs(const uint8_t* p, V16& even, V16& odd) {
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  const __m256i nibble = _mm256_set1_epi32(15);
+  even = {e2m1(_mm256_and_si256(lo, nibble)), e2m1(_mm256_and_si256(hi, nibble))};
+  odd = {e2m1(_mm256_srli_epi32(lo, 4)), e2m1(_mm256_srli_epi32(hi, 4))};
+}
+#endif
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t u = uint32_t(v) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
-}
-
-inline __m512 load_widened(const float* w) { return _mm512_loadu_ps(w); }
-inline __m512 load_widened(const uint16_t* w) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w)), 16));
 }
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return bf16_to_float(w); }
@@ -42,36 +171,43 @@ inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*
 
 template <typename T> inline void store(T* y, float v) { *y = T(v); }       // bf16: rounded to nearest even
 
-// R output rows per pass: with few input rows, one accumulator per (row, input row) is a single FMA chain whose
-// latency, not memory, would bound the speed; R independent rows hide it. Each row's sum is the same sequence of
-// FMAs whatever R and M are, so results do not depend on the batch.
-constexpr int rows_per_pass(int M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
-// Dense weights, with the L2 prefetch on: 3 rows a pass up to 2 input rows, 2 above (decode step mix, 2 threads, fp32
-// at 1/2/4/8 input rows: 27.1/27.6/27.0/23.3 GB/s).
-constexpr int dense_rows_per_pass(int M) { return M <= 2 ? 3 : 2; }
+// How many sums a pass over the weights keeps in registers (32 on AVX-512, 16 on AVX2, each V16 taking two): with
+// few input rows, one accumulator per (row, input row) is a single FMA chain whose latency, not memory, would bound
+// the speed, so R output rows share a pass; inputs beyond kPassInputs are summed in a second pass over the same R rows
+// (from cache). Each row's sum is the same sequence of FMAs whatever R and M are, so results do not depend on the
+// batch. AVX-512 dense weights, with the L2 prefetch on: 3 rows a pass up to 2 input rows, 2 above (decode step mix,
+// 2 threads, fp32 at 1/2/4/8 input rows: 27.1/27.6/27.0/23.3 GB/s).
+constexpr int kPassInputs = kAvx512 ? 8 : 4;
+constexpr int rows_per_pass(int M) { return kAvx512 ? (M == 1 ? 4 : M == 2 ? 2 : 1) : (M == 1 ? 2 : 1); }
+constexpr int dense_rows_per_pass(int M) { return kAvx512 ? (M <= 2 ? 3 : 2) : (M == 1 ? 3 : M == 2 ? 2 : 1); }
 
 template <typename WT, typename OT, int M, int R>
 void dense_block(const float* x, int64_t K, const WT* W, int64_t n, OT* y, int64_t N) {
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const WT* w = W + (n + r) * K + k;
-      prefetch_ahead(w);
-      const __m512 wv = load_widened(w);
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+  if constexpr (M > kPassInputs) {
+    dense_block<WT, OT, kPassInputs, R>(x, K, W, n, y, N);
+    dense_block<WT, OT, M - kPassInputs, R>(x + kPassInputs * K, K, W, n, y + kPassInputs * N, N);
+  } else {
+    V16 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = zero();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      V16 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const WT* w = W + (n + r) * K + k;
+        prefetch_ahead(w);
+        const V16 wv = load(w);
+        for (int m = 0; m < M; ++m) acc[r][m] = fma(wv, xv[m], acc[r][m]);
+      }
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    const WT* w = W + (n + r) * K;
-    for (int m = 0; m < M; ++m) {
-      float s = _mm512_reduce_add_ps(acc[r][m]);
-      for (int64_t j = k; j < K; ++j) s += widen(w[j]) * x[m * K + j];
-      store(y + m * N + n + r, s);
+    for (int r = 0; r < R; ++r) {
+      const WT* w = W + (n + r) * K;
+      for (int m = 0; m < M; ++m) {
+        float s = hsum(acc[r][m]);
+        for (int64_t j = k; j < K; ++j) s += widen(w[j]) * x[m * K + j];
+        store(y + m * N + n + r, s);
+      }
     }
   }
 }
@@ -84,6 +220,7 @@ void dense_rows(const float* x, int64_t K, const WT* W, int64_t n0, int64_t n1, 
   for (; n < n1; ++n) dense_block<WT, OT, M, 1>(x, K, W, n, y, N);
 }
 
+#if defined(__AVX512F__)
 // bf16 weights times bf16 inputs on CPUs with AVX512-BF16: one vdpbf16ps multiplies 32 pairs (exactly: a product of
 // two bf16 values fits in fp32) and adds them to 16 fp32 sums, two to a lane in a fixed order. Twice the products of
 // an FMA and no widening: at 8 rows the FMA form is bound by arithmetic (bf16 8-row GEMV 11.5 -> 22.9 GB/s).
@@ -118,6 +255,9 @@ void bf16_rows(const uint16_t* x, int64_t K, const uint16_t* W, int64_t n0, int6
   for (; n + R <= n1; n += R) bf16_block<OT, M, R>(x, K, W, n, y, N);
   for (; n < n1; ++n) bf16_block<OT, M, 1>(x, K, W, n, y, N);
 }
+#else
+constexpr bool kBf16Dot = false;       // vdpbf16ps is AVX-512 only
+#endif
 
 // 2^(s - 127): the float whose exponent field is s (s = 0, below the normal range, is 2^-127 = bit 22 alone)
 inline float e8m0(uint8_t s) {
@@ -131,31 +271,30 @@ inline float e8m0(uint8_t s) {
 template <int M, int R>
 void mxfp4_block(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, int64_t n, float* y,
                  int64_t N) {
-  static const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                  -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  const __m512 table = _mm512_loadu_ps(kE2M1);
-  const __m512i low_nibble = _mm512_set1_epi32(15);
   const int64_t blocks = K / 32, half = K / 2;
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* packed = P + (n + r) * half + b * 16;
-      prefetch_ahead(packed);
-      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)packed));
-      const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(codes, low_nibble), table);
-      const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
-      const __m512 scale = _mm512_set1_ps(e8m0(S[(n + r) * blocks + b]));
-      for (int m = 0; m < M; ++m) {
-        const int64_t at = m * half + b * 16;
-        const __m512 dot = _mm512_fmadd_ps(even, _mm512_loadu_ps(xe + at), _mm512_mul_ps(odd, _mm512_loadu_ps(xo + at)));
-        acc[r][m] = _mm512_fmadd_ps(dot, scale, acc[r][m]);
+  if constexpr (M > kPassInputs) {
+    mxfp4_block<kPassInputs, R>(xe, xo, K, P, S, n, y, N);
+    mxfp4_block<M - kPassInputs, R>(xe + kPassInputs * half, xo + kPassInputs * half, K, P, S, n, y + kPassInputs * N, N);
+  } else {
+    V16 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* packed = P + (n + r) * half + b * 16;
+        prefetch_ahead(packed);
+        V16 even, odd;
+        e2m1_pairs(packed, even, odd);
+        const V16 scale = set1(e8m0(S[(n + r) * blocks + b]));
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = m * half + b * 16;
+          acc[r][m] = fma(fma(even, load(xe + at), odd * load(xo + at)), scale, acc[r][m]);
+        }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = hsum(acc[r][m]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 // x is given de-interleaved per 32-block: xe holds the even elements, xo the odd ones ([M, K/2] each).
@@ -170,26 +309,28 @@ void mxfp4_rows(const float* xe, const float* xo, int64_t K, const uint8_t* P, c
 
 template <int M, int R>
 void q8_block(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t n, float* y, int64_t N) {
-  const int64_t blocks = K / 32;
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int r = 0; r < R; ++r) {
-      const int8_t* q = Q + (n + r) * K + b * 32;
-      prefetch_ahead(q);
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
-      const __m512 scale = _mm512_set1_ps(S[(n + r) * blocks + b]);
-      for (int m = 0; m < M; ++m) {
-        const float* xb = x + m * K + b * 32;
-        const __m512 dot = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), _mm512_mul_ps(hi, _mm512_loadu_ps(xb + 16)));
-        acc[r][m] = _mm512_fmadd_ps(dot, scale, acc[r][m]);
+  if constexpr (M > kPassInputs) {
+    q8_block<kPassInputs, R>(x, K, Q, S, n, y, N);
+    q8_block<M - kPassInputs, R>(x + kPassInputs * K, K, Q, S, n, y + kPassInputs * N, N);
+  } else {
+    const int64_t blocks = K / 32;
+    V16 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = Q + (n + r) * K + b * 32;
+        prefetch_ahead(q);
+        const V16 lo = load_i8(q), hi = load_i8(q + 16), scale = set1(S[(n + r) * blocks + b]);
+        for (int m = 0; m < M; ++m) {
+          const float* xb = x + m * K + b * 32;
+          acc[r][m] = fma(fma(lo, load(xb), hi * load(xb + 16)), scale, acc[r][m]);
+        }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = hsum(acc[r][m]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 // Int8 weights with one fp32 scale per 32 consecutive inputs (llama.cpp's Q8_0 layout, fp32 scales).
@@ -282,9 +423,11 @@ template <typename OT, int M>
 void dense_product(const Inputs& x, int64_t row0, const torch::Tensor& W, const char* base, int64_t n0, int64_t n1,
                    OT* y, int64_t N) {
   const int64_t K = W.size(-1);
+#if defined(__AVX512F__)
   if (x.b.defined())
-    bf16_rows<OT, M>(x.row<uint16_t>(x.b, row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
-  else if (W.scalar_type() == torch::kBFloat16)
+    return bf16_rows<OT, M>(x.row<uint16_t>(x.b, row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
+#endif
+  if (W.scalar_type() == torch::kBFloat16)
     dense_rows<uint16_t, OT, M>(x.row(x.f, row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
   else
     dense_rows<float, OT, M>(x.row(x.f, row0), K, reinterpret_cast<const float*>(base), n0, n1, y, N);
@@ -597,50 +740,42 @@ inline const float* raw(const float* p) { return p; }
 
 // e^x for 16 floats within 1-2 ulp: x = n ln2 + r with |r| <= ln2/2 (ln2 in two parts), e^r by its degree-6
 // Taylor polynomial (remainder < 2e-7 relative), times 2^n. NaN stays NaN; below -104 the result is 0.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 e = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, .5f, 1.f, 1.f}) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(e, n);
+inline V16 exp16(V16 x) {
+  x = vmin(set1(88.f), vmax(set1(-104.f), x));
+  const V16 n = round_nearest(x * set1(1.44269504f));
+  const V16 r = fnma(n, set1(1.428606765330187e-06f), fnma(n, set1(0.693145751953125f), x));
+  V16 e = set1(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, .5f, 1.f, 1.f}) e = fma(e, r, set1(c));
+  return scale2(e, n);
 }
 
-// v rounded to T and back, 16 at a time (bf16: to nearest even, NaN to the quiet NaN, as c10::BFloat16 does).
-template <typename T> inline __m512 round_vec(__m512 v) { return v; }
-template <> inline __m512 round_vec<at::BFloat16>(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
-                               _mm512_set1_epi32(int(0xFFFF0000u)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(r);
-}
+// v rounded to T and back, 16 at a time
+template <typename T> inline V16 round_vec(V16 v) { return v; }
+template <> inline V16 round_vec<at::BFloat16>(V16 v) { return round_bf16(v); }
 
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+// Query heads a score tile holds and cache rows it reads at once (each row load serves G heads, each query load J
+// rows), and heads a context task sums: as many as the registers hold (AVX2: 16 ymm, AVX-512: 32 zmm).
+constexpr int kScoreHeads = kAvx512 ? 8 : 4, kScoreRows = kAvx512 ? 3 : 1, kContextHeads = kAvx512 ? 16 : 4;
 
-// out[j * H + g] = q[g] . rows[j] for G query rows (heads, C apart) and J cache rows: each row load serves G heads and
-// each query load J rows. Each sum is 16 lane-wise FMA chains over the columns, reduced, then the scalar tail: the
-// same for every G and J.
+// out[j * H + g] = q[g] . rows[j] for G query rows (heads, C apart) and J cache rows. Each sum is 16 lane-wise FMA
+// chains over the columns, reduced, then the scalar tail: the same for every G and J.
 template <typename CT, int G, int J>
 void score_tile(const float* q, int64_t C, const CT* const* rows, float* out, int64_t H) {
-  __m512 acc[G][J];
+  V16 acc[G][J];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < J; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < J; ++j) acc[g][j] = zero();
   int64_t c = 0;
   for (; c + 16 <= C; c += 16) {
-    __m512 r[J];
-    for (int j = 0; j < J; ++j) r[j] = load_widened(raw(rows[j] + c));
+    V16 r[J];
+    for (int j = 0; j < J; ++j) r[j] = load(raw(rows[j] + c));
     for (int g = 0; g < G; ++g) {
-      const __m512 qv = _mm512_loadu_ps(q + g * C + c);
-      for (int j = 0; j < J; ++j) acc[g][j] = _mm512_fmadd_ps(qv, r[j], acc[g][j]);
+      const V16 qv = load(q + g * C + c);
+      for (int j = 0; j < J; ++j) acc[g][j] = fma(qv, r[j], acc[g][j]);
     }
   }
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < J; ++j) {
-      float sum = _mm512_reduce_add_ps(acc[g][j]);
+      float sum = hsum(acc[g][j]);
       for (int64_t k = c; k < C; ++k) sum += q[g * C + k] * to_float(rows[j][k]);
       out[j * H + g] = sum;
     }
@@ -649,8 +784,9 @@ void score_tile(const float* q, int64_t C, const CT* const* rows, float* out, in
 template <typename CT, int J>
 void score_rows(const float* q, int64_t H, int64_t C, const CT* const* rows, float* out) {
   int64_t h = 0;
-  for (; h + 8 <= H; h += 8) score_tile<CT, 8, J>(q + h * C, C, rows, out + h, H);
-  for (; h + 4 <= H; h += 4) score_tile<CT, 4, J>(q + h * C, C, rows, out + h, H);
+  for (; h + kScoreHeads <= H; h += kScoreHeads) score_tile<CT, kScoreHeads, J>(q + h * C, C, rows, out + h, H);
+  if constexpr (kScoreHeads > 4)
+    for (; h + 4 <= H; h += 4) score_tile<CT, 4, J>(q + h * C, C, rows, out + h, H);
   for (; h < H; ++h) score_tile<CT, 1, J>(q + h * C, C, rows, out + h, H);
 }
 
@@ -658,24 +794,24 @@ void score_rows(const float* q, int64_t H, int64_t C, const CT* const* rows, flo
 template <typename QT, typename CT, int G>
 void context_heads(const float* p, int64_t H, int64_t L, const CT* rows, int64_t C, int64_t c0, int64_t n, QT* out,
                    int64_t rank) {
-  __m512 acc[G];
-  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  V16 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = zero();
   alignas(64) float part[16] = {}, sums[16];
   for (int64_t j = 0; j < L; ++j) {
     const CT* row = rows + j * C + c0;
     _mm_prefetch((const char*)(row + 16 * C), _MM_HINT_T0);    // rows are C apart: ahead of the hardware's guess
-    __m512 v;
+    V16 v;
     if (n == 16) {
-      v = load_widened(raw(row));
+      v = load(raw(row));
     } else {                                       // a last partial block: lanes past n stay zero
       for (int64_t k = 0; k < n; ++k) part[k] = to_float(row[k]);
-      v = _mm512_load_ps(part);
+      v = load(part);
     }
     const float* pj = p + j * H;
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(pj[g]), v, acc[g]);
+    for (int g = 0; g < G; ++g) acc[g] = fma(set1(pj[g]), v, acc[g]);
   }
   for (int g = 0; g < G; ++g) {
-    _mm512_store_ps(sums, acc[g]);
+    store(sums, acc[g]);
     for (int64_t k = 0; k < n; ++k) out[g * rank + c0 + k] = QT(sums[k]);
   }
 }
@@ -693,17 +829,18 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
   std::vector<float> q(B * H * C);                   // queries in fp32
   std::unique_ptr<float[]> p(new float[B * Lmax * H]);      // scores, then probabilities [B, Lmax, H]
   for (int64_t i = 0; i < B * H * C; ++i) q[i] = to_float(query[i]);
-  // scores: a task is 16 positions of one row, every head; three cache rows at a time share each query load
+  // scores: a task is 16 positions of one row, every head; kScoreRows cache rows at a time share each query load
   constexpr int64_t kBlock = 16;
   const int64_t blocks = (Lmax + kBlock - 1) / kBlock;
-  const __m512 scale_v = _mm512_set1_ps(scale);
+  const V16 scale_v = set1(scale);
   at::parallel_for(0, B * blocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / blocks, j0 = t % blocks * kBlock, j1 = std::min(j0 + kBlock, positions[b] + 1);
       int64_t j = j0;
-      for (; j + 3 <= j1; j += 3) {
-        const CT* rows[3] = {row_of(b, j), row_of(b, j + 1), row_of(b, j + 2)};
-        score_rows<CT, 3>(&q[b * H * C], H, C, rows, &p[(b * Lmax + j) * H]);
+      for (; j + kScoreRows <= j1; j += kScoreRows) {
+        const CT* rows[kScoreRows];
+        for (int i = 0; i < kScoreRows; ++i) rows[i] = row_of(b, j + i);
+        score_rows<CT, kScoreRows>(&q[b * H * C], H, C, rows, &p[(b * Lmax + j) * H]);
       }
       for (; j < j1; ++j) {
         const CT* rows[1] = {row_of(b, j)};
@@ -711,8 +848,8 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
       }
       for (int64_t i = j0 * H; i < j1 * H; i += 16) {      // rounded to the query's dtype, scaled in it
         float* s = &p[b * Lmax * H + i];
-        const __mmask16 m = lanes(j1 * H - i);
-        _mm512_mask_storeu_ps(s, m, round_vec<QT>(_mm512_mul_ps(round_vec<QT>(_mm512_maskz_loadu_ps(m, s)), scale_v)));
+        const int64_t n = j1 * H - i;
+        store_n(s, n, round_vec<QT>(round_vec<QT>(load_n(s, n)) * scale_v));
       }
     }
   });
@@ -720,36 +857,37 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
   const int64_t head_vecs = (H + 15) / 16;
   at::parallel_for(0, B * head_vecs, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / head_vecs, h0 = t % head_vecs * 16, L = positions[b] + 1;
-      const __mmask16 m = lanes(H - h0);
+      const int64_t b = t / head_vecs, h0 = t % head_vecs * 16, L = positions[b] + 1, n = H - h0;
       float* s = &p[b * Lmax * H + h0];
-      __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < L; ++j) top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(m, s + j * H));
+      V16 top = set1(-INFINITY), sum = zero();
+      for (int64_t j = 0; j < L; ++j) top = vmax(top, load_n(s + j * H, n));
       for (int64_t j = 0; j < L; ++j) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j * H), top));
-        _mm512_mask_storeu_ps(s + j * H, m, e);
-        sum = _mm512_add_ps(sum, e);
+        const V16 e = exp16(load_n(s + j * H, n) - top);
+        store_n(s + j * H, n, e);
+        sum = sum + e;
       }
-      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
-      for (int64_t j = 0; j < L; ++j)
-        _mm512_mask_storeu_ps(s + j * H, m, round_vec<QT>(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j * H), inv)));
+      const V16 inv = set1(1.f) / sum;
+      for (int64_t j = 0; j < L; ++j) store_n(s + j * H, n, round_vec<QT>(load_n(s + j * H, n) * inv));
     }
   });
-  // context: a task is 16 latent columns of one row for up to 16 heads (accumulators in registers)
-  const int64_t col_blocks = (rank + kBlock - 1) / kBlock, head_groups = (H + 15) / 16;
+  // context: a task is 16 latent columns of one row for up to kContextHeads heads (accumulators in registers)
+  const int64_t col_blocks = (rank + kBlock - 1) / kBlock, head_groups = (H + kContextHeads - 1) / kContextHeads;
   at::parallel_for(0, B * col_blocks * head_groups, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (col_blocks * head_groups), c0 = t / head_groups % col_blocks * kBlock;
       const int64_t n = std::min(kBlock, rank - c0), L = positions[b] + 1;
-      int64_t h = t % head_groups * 16;
-      const int64_t h1 = std::min(h + 16, H);
+      int64_t h = t % head_groups * kContextHeads;
+      const int64_t h1 = std::min<int64_t>(h + kContextHeads, H);
       const float* pb = &p[b * Lmax * H];
       QT* ob = out + b * H * rank;
       const CT* rows = row_of(b, 0);
-      for (; h + 16 <= h1; h += 16) context_heads<QT, CT, 16>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
-      for (; h + 8 <= h1; h += 8) context_heads<QT, CT, 8>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
-      for (; h + 4 <= h1; h += 4) context_heads<QT, CT, 4>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
-      for (; h < h1; ++h) context_heads<QT, CT, 1>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
+      auto heads = [&](auto group) {
+        constexpr int G = decltype(group)::value;
+        if constexpr (G <= kContextHeads)
+          for (; h + G <= h1; h += G) context_heads<QT, CT, G>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
+      };
+      heads(std::integral_constant<int, 16>{}), heads(std::integral_constant<int, 8>{});
+      heads(std::integral_constant<int, 4>{}), heads(std::integral_constant<int, 1>{});
     }
   });
 }
@@ -826,24 +964,24 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 namespace {
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
+  V16 top = set1(-INFINITY);
+  uint32_t nan = 0;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = load_widened(raw(x + i));
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top = _mm512_max_ps(top, v);
+    const V16 v = load(raw(x + i));
+    nan |= nan_bits(v);
+    top = vmax(top, v);
   }
-  float best = _mm512_reduce_max_ps(top);
+  float best = hmax(top);
   for (int64_t j = i; j < n; ++j) {
     const float v = to_float(x[j]);
     if (v != v) nan = 1;
     best = std::max(best, v);
   }
-  const __m512 b = _mm512_set1_ps(best);     // the first NaN, else the first value equal to the maximum
+  const V16 b = set1(best);     // the first NaN, else the first value equal to the maximum
   for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 v = load_widened(raw(x + i));
-    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
+    const V16 v = load(raw(x + i));
+    const uint32_t hit = nan ? nan_bits(v) : eq_bits(v, b);
     if (hit) return i + __builtin_ctz(hit);
   }
   for (; i < n; ++i) {

@@ -1,7 +1,7 @@
 """deltaserve's CPU decode kernels (csrc/cpu_gemv.cpp): matrix-vector products for 1..8 rows against fp32, bf16
 and MXFP4 weights, at memory speed. Built once with the C++ toolchain torch uses (during set-up;
 cached by torch.utils.cpp_extension) and loaded at model load, never while
-a request waits. Absent (None) on CPUs without AVX-512, where the build fails, or with DELTASERVE_CPU_KERNELS=0:
+a request waits. Absent (None) on CPUs without AVX2, where the build fails, or with DELTASERVE_CPU_KERNELS=0:
 callers then use PyTorch's own ops."""
 from __future__ import annotations
 
@@ -20,7 +20,16 @@ MAX_ROWS = 8
 # the copy torch has already loaded, so both share one thread pool
 # -ffp-contract=off: scalar loops that mirror the op-by-op path's roundings (routed-expert sums, RMSNorm, KDA) must not
 # have a product and a sum fused into one FMA; the explicit FMA intrinsics are unaffected
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-ffp-contract=off"]
+COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+# the kernels are written once against 16-float vectors: one AVX-512 register or two AVX2 ones (csrc/cpu_gemv.cpp)
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+def build_flags() -> list[str] | None:
+    """The compiler flags for this CPU's vector width (torch's own detection, ATEN_CPU_CAPABILITY included), or None
+    on CPUs without AVX2."""
+    isa = ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability())
+    return None if isa is None else COMMON_FLAGS + isa
 
 
 _loaded: dict[str, Any] = {}      # a plain dict, not functools.cache: torch.compile reads it without a graph break
@@ -35,13 +44,15 @@ def kernels() -> Any:
 
 
 def _load() -> Any:
-    if os.environ.get("DELTASERVE_CPU_KERNELS", "1") == "0" or not torch.cpu._is_avx512_supported():
+    flags = build_flags()
+    if os.environ.get("DELTASERVE_CPU_KERNELS", "1") == "0" or flags is None:
         return None
     from torch.utils.cpp_extension import load
-    # one build per source version, so installs (and checkouts) of different versions never rebuild over each other
-    name = "deltaserve_cpu_gemv_" + hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    # one build per source version and vector width, so installs (and checkouts) of different versions never rebuild
+    # over each other
+    name = "deltaserve_cpu_gemv_" + hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     try:
-        load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
+        load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
              verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler or headers: serve with PyTorch's ops instead
         print(f"deltaserve: CPU decode kernels unavailable ({type(e).__name__}: {e}); using PyTorch's ops",
