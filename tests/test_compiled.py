@@ -34,7 +34,7 @@ def decode_both_ways(llm: LLM, batch: int, steps: int = 3) -> tuple[torch.Tensor
 def test_compiled_decode_equals_eager(tiny_dir, dtype):
     llm = LLM(tiny_dir, dtype=dtype, enforce_eager=False)
     if llm.runner.compiled is None:
-        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+        pytest.skip("needs the CPU decode kernels (x86 with AVX2 or AVX-512 and a C++ compiler)")
     torch._dynamo.utils.ReinplaceCounters.clear()
     for batch in (1, 3, 8):
         compiled, eager = decode_both_ways(llm, batch)
@@ -58,7 +58,7 @@ def test_compiled_prefill_equals_eager(tiny_dir):
     the compiled chunk_prepare against the eager one, fp32."""
     compiled = LLM(tiny_dir, dtype="float32", enforce_eager=False, chunk_size=16)
     if compiled.runner.compiled is None:
-        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+        pytest.skip("needs the CPU decode kernels (x86 with AVX2 or AVX-512 and a C++ compiler)")
     eager = LLM(tiny_dir, dtype="float32", enforce_eager=True, chunk_size=16)
     for n in (7, 16, 45, 100):
         ids = [(17 * i) % 500 + 1 for i in range(n)]
@@ -70,7 +70,7 @@ def test_compiled_prefill_equals_eager(tiny_dir):
 def test_warmup_compiles_and_serving_never_recompiles(tiny_dir):
     llm = LLM(tiny_dir, warmup=True, enforce_eager=False)
     if llm.runner.compiled is None:
-        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+        pytest.skip("needs the CPU decode kernels (x86 with AVX2 or AVX-512 and a C++ compiler)")
     assert set(llm.runner.compiled.decode.compile_seconds) == {1, 2}
     assert set(llm.runner.compiled.prefill.compile_seconds) == {1, 2}
     counters = torch._dynamo.utils.counters
@@ -87,7 +87,7 @@ def test_enforce_eager_and_a_failed_compile_run_eagerly(tiny_dir, monkeypatch, c
     assert LLM(tiny_dir, enforce_eager=True).runner.compiled is None
     llm = LLM(tiny_dir, enforce_eager=False)
     if llm.runner.compiled is None:
-        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+        pytest.skip("needs the CPU decode kernels (x86 with AVX2 or AVX-512 and a C++ compiler)")
 
     def broken(*args, **kwargs):
         raise torch._dynamo.exc.Unsupported("no compiler")
@@ -110,7 +110,7 @@ def test_one_shot_commands_run_eagerly_and_the_flag_is_honoured(tiny_dir, monkey
     parse = build_parser().parse_args
     compiled = load_llm(parse(["generate", str(tiny_dir), "--prompt", "x"])).runner.compiled
     if compiled is None:
-        pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+        pytest.skip("needs the CPU decode kernels (x86 with AVX2 or AVX-512 and a C++ compiler)")
     assert load_llm(parse(["generate", str(tiny_dir), "--prompt", "x"]), one_shot=True).runner.compiled is None
     assert load_llm(parse(["serve", str(tiny_dir), "--enforce-eager"])).runner.compiled is None
 
@@ -127,7 +127,7 @@ def test_a_compiled_server_serves_concurrent_requests(tiny_dir):
     try:
         ready = next(line for line in server.stderr().splitlines() if "ready" in line)
         if "graphs compiled" not in ready:
-            pytest.skip("needs the CPU decode kernels (x86 with AVX-512 and a C++ compiler)")
+            pytest.skip("needs the CPU decode kernels (x86 with AVX2 or AVX-512 and a C++ compiler)")
         assert "4 graphs compiled" in ready
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
         model = client.models.list().data[0].id

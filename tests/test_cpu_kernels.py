@@ -6,11 +6,11 @@ from deltaserve.ops.cpu_kernels import kernels
 from deltaserve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 k = kernels()
-pytestmark = pytest.mark.skipif(k is None, reason="needs an x86 CPU with AVX-512 and a C++ compiler")
+pytestmark = pytest.mark.skipif(k is None, reason="needs an x86 CPU with AVX2 or AVX-512 and a C++ compiler")
 
 
 @pytest.mark.parametrize("dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                           (torch.bfloat16, torch.bfloat16)])   # bf16 x bf16: pairs (AVX512-BF16)
+                                           (torch.bfloat16, torch.bfloat16)])   # bf16 x bf16: pairs where AVX512-BF16 is there
 @pytest.mark.parametrize("K", [512, 96, 100])      # 96: one 32-pair step and a tail; 100: shorter than a vector
 def test_gemv_equals_float64_reference(dtype, x_dtype, K):
     g = torch.Generator().manual_seed(K)
