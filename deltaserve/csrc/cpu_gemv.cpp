@@ -9,9 +9,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -484,9 +486,46 @@ torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torc
   return like_input(y, x);
 }
 
+// Products of stacked weights (routed experts) and of a weight given in parts (dense, or int8 with scales), for
+// kernels that fuse them with other work: each row computed exactly as gemv computes it.
+namespace {
+// The rows [begin, end) of the inputs and of the outputs that one expert takes: of the routed stack (set 0) or the
+// shared expert (set 1, expert 0).
+struct Group {
+  int64_t expert, begin, end, set;
+};
+
+// Rows [n0, n1) of y[m] = W_e x[begin + m] for the M inputs of a group (each row as gemv computes it).
+template <int M>
+void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, int64_t n1, float* y) {
+  const int64_t N = w[0].size(1), e = g.expert;
+  auto expert_base = [&](int i) {
+    return static_cast<const char*>(w[i].data_ptr()) + e * w[i].stride(0) * w[i].element_size();
+  };
+  if (w.size() == 1) {
+    dense_product<float, M>(x, g.begin, w[0], expert_base(0), n0, n1, y, N);
+  } else if (w[0].scalar_type() == torch::kByte) {
+    mxfp4_rows<M>(x.row(x.even, g.begin), x.row(x.odd, g.begin), w[0].size(2) * 2, (const uint8_t*)expert_base(0),
+                  (const uint8_t*)expert_base(1), n0, n1, y, N);
+  } else {
+    q8_rows<M>(x.row(x.f, g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1,
+               y, N);
+  }
+}
+
+// A weight of one matrix ([N, K] dense, or int8 q [N, K] with its scales) as a stack of one expert.
+std::vector<torch::Tensor> stack_of_one(at::TensorList w) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : w) out.push_back(t.unsqueeze(0));
+  return out;
+}
+
+}  // namespace
+
 // One KDA decode step (T = 1) for a batch: causal conv of the new q|k|v inputs over the carried window, SiLU,
 // L2 norms, forget gate and beta, the gated delta rule on the fp32 state, and the gated RMSNorm of the output, in
-// place on the conv window and the state. Mirrors KimiDeltaAttention.forward op for op (including where values
+// place on the conv window and the state, with the gates' low-rank up projections (f_b, and g_b unless the gate is
+// full-rank) computed as gemv computes them. Mirrors KimiDeltaAttention.forward op for op (including where values
 // are rounded to the activation dtype) for one (row, head) per task.
 namespace {
 
@@ -504,16 +543,17 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 
 struct KdaArgs {
   int64_t B, H, K, W;
-  int64_t proj_stride, gate_stride, beta_stride, f_stride;   // row strides of the projection slices
+  int64_t proj_stride, beta_stride;                           // row strides of the projection slices
   int64_t conv_stride, state_stride;                          // slot strides of the conv window and the state
   const int64_t* slots;                                       // row b's slot in the pools
   float lower_bound, eps, scale;
   bool per_channel, silu_gate;
 };
 
+// f and z: the head's forget-gate input and output gate (K values each, as rounded to T).
 template <typename T>
-void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, const float* taps, const T* f,
-              const float* dt_bias, const float* decay, const T* beta_logit, const T* z, const float* o_norm,
+void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, const float* taps, const float* f,
+              const float* dt_bias, const float* decay, const T* beta_logit, const float* z, const float* o_norm,
               float* S, T* out) {
   const int64_t K = a.K, P = a.H * K, W = a.W;
   std::vector<float> qkv(3 * K);
@@ -540,13 +580,17 @@ void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, co
   for (int64_t i = 0; i < K; ++i) q[i] *= a.scale;
   const float beta = sigmoid(to_float(beta_logit[b * a.beta_stride + h]));
   float* s = S + a.slots[b] * a.state_stride + h * K * K;                // [K keys][K values]
+  // the state streams from memory (a batch's states outgrow the caches): its first kPrefetchBytes asked for at
+  // once, then every line that far ahead, as the GEMVs read their weights
+  for (int64_t i = 0; i < std::min<int64_t>(K * K, kPrefetchBytes / 4); i += 16) _mm_prefetch((const char*)(s + i), _MM_HINT_T1);
   std::vector<float> pred(K, 0.f), o(K, 0.f);
   for (int64_t r = 0; r < K; ++r) {
-    const float fr = to_float(f[b * a.f_stride + h * K + r]) + dt_bias[h * K + r];
+    const float fr = f[r] + dt_bias[h * K + r];
     const float rate = a.per_channel ? decay[r] : decay[h];
     const float log_decay = a.lower_bound != 0.f ? a.lower_bound * sigmoid(rate * fr) : -rate * softplus(fr);
     const float d = std::exp(log_decay);
     float* row = s + r * K;
+    for (int64_t c = 0; c < K; c += 16) prefetch_ahead(row + c);
     for (int64_t c = 0; c < K; ++c) row[c] *= d;
     for (int64_t c = 0; c < K; ++c) pred[c] += k[r] * row[c];     // the decayed row, while it is in L1
   }
@@ -560,24 +604,42 @@ void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, co
   for (int64_t c = 0; c < K; ++c) ss += o[c] * o[c];
   const float inv = 1.f / std::sqrt(ss / K + a.eps);
   for (int64_t c = 0; c < K; ++c) {
-    const float g = to_float(z[b * a.gate_stride + h * K + c]);
+    const float g = z[c];
     const float act = a.silu_gate ? g * sigmoid(g) : sigmoid(g);
     out[b * P + h * K + c] = T(o[c] * inv * o_norm[c] * act);
   }
 }
 
+// Rows [h K, (h + 1) K) of W x[b] (the low-rank up projections of the gates), rounded to T as gemv rounds them.
+template <typename T>
+void head_rows(at::TensorList w, const Inputs& x, int64_t b, int64_t h, int64_t K, std::vector<float>& y, float* out) {
+  group_rows<1>(w, {0, b, b + 1, 0}, x, h * K, (h + 1) * K, y.data());
+  for (int64_t i = 0; i < K; ++i) out[i] = round_to<T>(y[h * K + i]);
+}
+
 template <typename T>
 torch::Tensor kda_step_typed(const KdaArgs& a, const torch::Tensor& proj, torch::Tensor& conv, const torch::Tensor& taps,
-                             const torch::Tensor& f, const torch::Tensor& dt_bias, const torch::Tensor& decay,
-                             const torch::Tensor& beta_logit, const torch::Tensor& z, const torch::Tensor& o_norm,
-                             torch::Tensor& S) {
+                             const torch::Tensor& f_a, at::TensorList f_b, const torch::Tensor& dt_bias,
+                             const torch::Tensor& decay, const torch::Tensor& beta_logit, const torch::Tensor& g,
+                             at::TensorList g_b, const torch::Tensor& o_norm, torch::Tensor& S) {
   auto out = torch::empty({a.B, a.H * a.K}, proj.options());
-  const T* P = proj.data_ptr<T>(); T* C = conv.data_ptr<T>(); const T* F = f.data_ptr<T>();
-  const T* Bl = beta_logit.data_ptr<T>(); const T* Z = z.data_ptr<T>(); T* O = out.data_ptr<T>();
+  const T* P = proj.data_ptr<T>(); T* C = conv.data_ptr<T>(); const T* G = g.data_ptr<T>();
+  const T* Bl = beta_logit.data_ptr<T>(); T* O = out.data_ptr<T>();
   const float* taps_p = taps.data_ptr<float>(); const float* dt = dt_bias.data_ptr<float>();
   const float* dec = decay.data_ptr<float>(); const float* w = o_norm.data_ptr<float>(); float* St = S.data_ptr<float>();
+  const auto fw = stack_of_one(f_b), gw = stack_of_one(g_b);
+  const Inputs fx(f_a, f_b[0]);
+  const std::optional<Inputs> gx = g_b.empty() ? std::nullopt : std::optional<Inputs>(std::in_place, g, g_b[0]);
+  const int64_t K = a.K, HK = a.H * K, g_stride = g.stride(0);
   at::parallel_for(0, a.B * a.H, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) kda_head<T>(a, t / a.H, t % a.H, P, C, taps_p, F, dt, dec, Bl, Z, w, St, O);
+    std::vector<float> rows(HK), f(K), z(K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / a.H, h = t % a.H;
+      head_rows<T>(fw, fx, b, h, K, rows, f.data());
+      if (gx) head_rows<T>(gw, *gx, b, h, K, rows, z.data());
+      else for (int64_t i = 0; i < K; ++i) z[i] = to_float(G[b * g_stride + h * K + i]);      // a full-rank gate
+      kda_head<T>(a, b, h, P, C, taps_p, f.data(), dt, dec, Bl, z.data(), w, St, O);
+    }
   });
   return out;
 }
@@ -585,14 +647,22 @@ torch::Tensor kda_step_typed(const KdaArgs& a, const torch::Tensor& proj, torch:
 }  // namespace
 
 torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, const torch::Tensor& taps,
-                              const torch::Tensor& f, const torch::Tensor& dt_bias, const torch::Tensor& decay,
-                              double lower_bound, const torch::Tensor& beta_logit, const torch::Tensor& z,
-                              const torch::Tensor& o_norm, double eps, bool silu_gate, bool per_channel,
-                              torch::Tensor S, const torch::Tensor& slots) {
+                              const torch::Tensor& f_a, at::TensorList f_b, const torch::Tensor& dt_bias,
+                              const torch::Tensor& decay, double lower_bound, const torch::Tensor& beta_logit,
+                              const torch::Tensor& g, at::TensorList g_b, const torch::Tensor& o_norm, double eps,
+                              bool silu_gate, bool per_channel, torch::Tensor S, const torch::Tensor& slots) {
   const int64_t B = proj.size(0), H = S.size(1), K = S.size(2), W = taps.size(1);
-  for (const auto* t : {&proj, &f, &beta_logit, &z})
+  for (const auto* t : {&proj, &f_a, &beta_logit, &g})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->stride(1) == 1 && t->scalar_type() == proj.scalar_type(),
                 "projections must be [B, n] row slices of one dtype");
+  for (const auto* w : {&f_b, &g_b}) {
+    if (w->empty()) continue;
+    TORCH_CHECK((*w)[0].dim() == 2 && (*w)[0].size(0) == H * K && (*w)[0].is_contiguous() &&
+                (w->size() == 1 || (*w)[1].is_contiguous()), "gate up projections must be contiguous [H K, rank]");
+  }
+  TORCH_CHECK(!f_b.empty() && f_b[0].size(1) == f_a.size(1), "f_b must map f_a's width to H K");
+  TORCH_CHECK(g_b.empty() ? g.size(1) == H * K : g_b[0].size(1) == g.size(1),
+              "the output gate is [B, H K], or g_b maps g's width to H K");
   TORCH_CHECK(conv.dim() == 3 && conv.size(1) == W - 1 && conv.stride(2) == 1 && conv.stride(1) == 3 * H * K &&
               conv.scalar_type() == proj.scalar_type(), "conv windows must be [slots, W-1, 3P] in the activation dtype");
   TORCH_CHECK(S.dim() == 4 && S.size(3) == K && S.scalar_type() == torch::kFloat && S.stride(3) == 1 &&
@@ -606,64 +676,47 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
   TORCH_CHECK(taps.scalar_type() == torch::kFloat && taps.is_contiguous() && taps.size(0) == 3 * H * K,
               "taps must be [3P, W] float32");
   TORCH_CHECK(decay.numel() == (per_channel ? K : H), "decay rates: one per ", per_channel ? "key channel" : "head");
-  KdaArgs a{B, H, K, W, proj.stride(0), z.stride(0), beta_logit.stride(0), f.stride(0), conv.stride(0), S.stride(0),
+  KdaArgs a{B, H, K, W, proj.stride(0), beta_logit.stride(0), conv.stride(0), S.stride(0),
             slot, float(lower_bound), float(eps), 1.f / std::sqrt(float(K)), per_channel, silu_gate};
   auto tc = [](const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); };
   const auto dt = tc(dt_bias), dec = tc(decay), w = tc(o_norm);
   if (proj.scalar_type() == torch::kBFloat16)
-    return kda_step_typed<at::BFloat16>(a, proj, conv, taps, f, dt, dec, beta_logit, z, w, S);
+    return kda_step_typed<at::BFloat16>(a, proj, conv, taps, f_a, f_b, dt, dec, beta_logit, g, g_b, w, S);
   TORCH_CHECK(proj.scalar_type() == torch::kFloat, "activations must be float32 or bfloat16");
-  return kda_step_typed<float>(a, proj, conv, taps, f, dt, dec, beta_logit, z, w, S);
+  return kda_step_typed<float>(a, proj, conv, taps, f_a, f_b, dt, dec, beta_logit, g, g_b, w, S);
 }
 
 // The routed experts of a few tokens (decode: 1..8 rows): out[n] += (w[n, j] * expert_e(h[n])).to(h's dtype) for
 // each assignment (n, j) of token n to expert e = ids[n, j], experts in ascending order and each expert's tokens in
 // slot order, with the same ops, shapes and roundings as the op-by-op loop in layers/moe.py (gate/up and down
 // results in h's dtype; SwiGLU as silu(g) * u in h's dtype; SiTU in fp32, rounded once). A stacked weight is (W)
-// dense [E, N, K], (packed, scales) MXFP4 or (q, scales) int8. All gate/up products run as one parallel pass, then
-// all down products as another (two thread fork-joins per layer), each expert's weights read once for all its
-// tokens, each row computed exactly as gemv computes it.
+// dense [E, N, K], (packed, scales) MXFP4 or (q, scales) int8. The shared expert, when given ([N, K] dense or int8,
+// the widths of a routed one), runs on all tokens in the same passes and comes back apart, as GatedMLP computes it. All gate/up products run
+// as one parallel pass, then all down products as another (two thread fork-joins per layer), each expert's weights
+// read once for all its tokens, each row computed exactly as gemv computes it.
 namespace {
-// The assignments [begin, end) of one expert: rows begin.. of the inputs and of the output.
-struct Group {
-  int64_t expert, begin, end;
-};
+using WeightSets = std::array<at::TensorList, 2>;
 
-// Rows [n0, n1) of y[m] = W_e x[begin + m] for the M inputs of a group (each row as gemv computes it).
-template <int M>
-void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, int64_t n1,
-                float* y) {
-  const int64_t N = w[0].size(1), e = g.expert;
-  auto expert_base = [&](int i) {
-    return static_cast<const char*>(w[i].data_ptr()) + e * w[i].stride(0) * w[i].element_size();
-  };
-  if (w.size() == 1) {
-    dense_product<float, M>(x, g.begin, w[0], expert_base(0), n0, n1, y, N);
-  } else if (w[0].scalar_type() == torch::kByte) {
-    mxfp4_rows<M>(x.row(x.even, g.begin), x.row(x.odd, g.begin), w[0].size(2) * 2, (const uint8_t*)expert_base(0),
-                  (const uint8_t*)expert_base(1), n0, n1, y, N);
-  } else {
-    q8_rows<M>(x.row(x.f, g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1,
-               y, N);
+// y[a] = W_{expert of a} x[a] for every input row a: each expert's weights read once for all its rows, every group
+// in one parallel pass over their output rows; y [rows, N] fp32.
+torch::Tensor experts_product(const WeightSets& w, const std::vector<Group>& groups, const Inputs& x) {
+  const int64_t N = w[0][0].size(1);
+  for (const auto& set : w) {
+    if (set.empty()) continue;
+    TORCH_CHECK(set[0].dim() == 3 && set[0].is_contiguous() && (set.size() == 1 || set[1].is_contiguous()) &&
+                set[0].size(1) == N, "stacked expert weights must be contiguous [E, N, ...], N alike");
   }
-}
-
-// y[a] = W_{expert of a} x[a] for every assignment a: each expert's weights read once for all its rows, every
-// group in one parallel pass over their output rows; y [A, N] fp32.
-torch::Tensor experts_product(at::TensorList w, const std::vector<Group>& groups,
-                              const Inputs& x) {
-  const int64_t G = groups.size(), N = w[0].size(1);
-  TORCH_CHECK(w[0].dim() == 3 && w[0].is_contiguous() && (w.size() == 1 || w[1].is_contiguous()),
-              "stacked expert weights must be contiguous [E, N, ...]");
-  for (const auto& g : groups) TORCH_CHECK(g.expert >= 0 && g.expert < w[0].size(0), "expert id out of range");
+  for (const auto& g : groups)
+    TORCH_CHECK(g.expert >= 0 && g.expert < w[g.set][0].size(0), "expert id out of range");
   auto y = torch::empty({x.rows(), N}, torch::kFloat);
   float* out = y.data_ptr<float>();
+  const int64_t G = groups.size();
   at::parallel_for(0, G * N, 16, [&](int64_t t0, int64_t t1) {
     while (t0 < t1) {                       // split the range at group boundaries
       const Group& g = groups[t0 / N];
       const int64_t n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
       float* yg = out + g.begin * N;
-      with_rows(g.end - g.begin, [&](auto m) { group_rows<decltype(m)::value>(w, g, x, n0, n1, yg); });
+      with_rows(g.end - g.begin, [&](auto m) { group_rows<decltype(m)::value>(w[g.set], g, x, n0, n1, yg); });
       t0 += n1 - n0;
     }
   });
@@ -671,30 +724,39 @@ torch::Tensor experts_product(at::TensorList w, const std::vector<Group>& groups
 }
 }  // namespace
 
-torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, const torch::Tensor& weights,
-                             at::TensorList w13, at::TensorList w2, bool situ,
-                             double beta, double linear_beta) {
+std::tuple<torch::Tensor, torch::Tensor> routed_experts(
+    const torch::Tensor& h, const torch::Tensor& ids, const torch::Tensor& weights, at::TensorList w13,
+    at::TensorList w2, bool situ, double beta, double linear_beta, at::TensorList shared_gate_up,
+    at::TensorList shared_down) {
   TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.size(0) <= kMaxRows, "h must be [1..", kMaxRows, ", R]");
   TORCH_CHECK(h.scalar_type() == torch::kFloat || h.scalar_type() == torch::kBFloat16, "h must be float32 or bfloat16");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == h.size(0) && ids.scalar_type() == torch::kLong,
               "ids must be int64 [N, k]");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "weights must be fp32 [N, k]");
+  TORCH_CHECK(shared_gate_up.empty() == shared_down.empty(), "the shared expert needs both its gate/up and down");
   const auto dtype = h.scalar_type();
-  const int64_t k = ids.size(1), A = ids.numel();
+  const int64_t k = ids.size(1), A = ids.numel(), B = h.size(0), R = h.size(1);
+  const bool shared = !shared_gate_up.empty();
   const auto id = ids.contiguous();
   const int64_t* e_of = id.data_ptr<int64_t>();
   std::vector<int64_t> slots(A);                         // assignments by expert, then by slot (n * k + j)
   for (int64_t a = 0; a < A; ++a) slots[a] = a;
   std::stable_sort(slots.begin(), slots.end(), [&](int64_t x, int64_t y) { return e_of[x] < e_of[y]; });
-  std::vector<int64_t> token(A);
+  std::vector<int64_t> token(A + (shared ? B : 0));      // input row -> token: assignments, then every token once
   std::vector<Group> groups;                             // a token's experts are distinct: at most 8 rows a group
   for (int64_t a = 0; a < A; ++a) {
     token[a] = slots[a] / k;
-    if (a == 0 || e_of[slots[a]] != groups.back().expert) groups.push_back({e_of[slots[a]], a, a + 1});
+    if (a == 0 || e_of[slots[a]] != groups.back().expert) groups.push_back({e_of[slots[a]], a, a + 1, 0});
     else groups.back().end = a + 1;
   }
+  if (shared) {
+    for (int64_t b = 0; b < B; ++b) token[A + b] = b;
+    groups.push_back({0, A, A + B, 1});
+  }
+  const auto shared_w13 = stack_of_one(shared_gate_up), shared_w2 = stack_of_one(shared_down);
   const auto tokens = torch::tensor(token, torch::kLong);
-  const auto gate_up = experts_product(w13, groups, Inputs(h.index_select(0, tokens), w13[0])).to(dtype);
+  const auto gate_up = experts_product({w13, shared_w13}, groups, Inputs(h.index_select(0, tokens), w13[0]))
+                           .to(dtype);
   const int64_t I = gate_up.size(1) / 2;
   const auto gate = gate_up.narrow(1, 0, I), up = gate_up.narrow(1, I, I);
   // elementwise, so all groups at once give each expert's values (rows stay I long: the same vector/tail split)
@@ -705,13 +767,12 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
   } else {
     act = torch::silu(gate) * up;
   }
-  const auto down = experts_product(w2, groups, Inputs(act, w2[0]));            // fp32 [A, R]
+  const auto down = experts_product({w2, shared_w2}, groups, Inputs(act, w2[0]));       // fp32 [A (+ B), R]
   // each assignment in expert order, rounded where the loop rounds: the product to h's dtype, times the routing
   // weight in fp32, rounded, then added to its token's running sum in h's dtype (the loop's index_add_ per expert;
   // summing a token's experts in fp32 and rounding once would differ)
-  const int64_t R = h.size(1);
   TORCH_CHECK(down.size(1) == R, "w2 experts must map back to h's width ", R);
-  auto out = torch::zeros({h.size(0), R}, h.options());
+  auto out = torch::zeros({B, R}, h.options());
   const auto w = weights.contiguous();
   const float* wf = w.data_ptr<float>();
   const float* d = down.data_ptr<float>();
@@ -726,7 +787,8 @@ torch::Tensor routed_experts(const torch::Tensor& h, const torch::Tensor& ids, c
   };
   if (dtype == torch::kBFloat16) accumulate(at::BFloat16{});
   else accumulate(float{});
-  return out;
+  // the shared expert's rows, rounded once to h's dtype as gemv rounds them
+  return {out, shared ? down.narrow(0, A, B).to(dtype) : torch::empty({0, R}, h.options())};
 }
 
 // One decode step of latent attention (MLA, absorbed form; layers/mla.py) for a batch whose rows live in cache slots:
@@ -1017,13 +1079,13 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_mxfp4(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
-  m.def("kda_decode_step(Tensor proj, Tensor(a!) conv, Tensor taps, Tensor f, Tensor dt_bias, Tensor decay, "
-        "float lower_bound, Tensor beta_logit, Tensor z, Tensor o_norm, float eps, bool silu_gate, bool per_channel, "
-        "Tensor(b!) state, Tensor slots) -> Tensor");
+  m.def("kda_decode_step(Tensor proj, Tensor(a!) conv, Tensor taps, Tensor f_a, Tensor[] f_b, Tensor dt_bias, "
+        "Tensor decay, float lower_bound, Tensor beta_logit, Tensor g, Tensor[] g_b, Tensor o_norm, float eps, "
+        "bool silu_gate, bool per_channel, Tensor(b!) state, Tensor slots) -> Tensor");
   m.def("mla_decode(Tensor query, Tensor(a!) cache, Tensor latent, Tensor slots, Tensor positions, float scale, "
         "int rank) -> Tensor");
   m.def("routed_experts(Tensor h, Tensor ids, Tensor weights, Tensor[] w13, Tensor[] w2, bool situ, float beta, "
-        "float linear_beta) -> Tensor");
+        "float linear_beta, Tensor[] shared_gate_up, Tensor[] shared_down) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {

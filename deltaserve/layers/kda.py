@@ -19,7 +19,7 @@ from ..ops.delta_rule import l2norm
 from ..ops.cpu_kernels import fused_decode, kernels
 from ..ops.kda import kda_kernels
 from ..state import StateView
-from .linear import linear
+from .linear import linear, weight_parts
 from .mlp import param
 from .norm import gated_rms_norm
 
@@ -113,13 +113,14 @@ class KimiDeltaAttention(nn.Module):
         return linear(o.reshape(B, T, H * K), self.o_proj)
 
     def decode_fused(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
-        """The T = 1 path of `forward` with everything between the projections in one CPU kernel (same math and
-        roundings; see csrc/cpu_gemv.cpp), in place on the pool's slots."""
+        """The T = 1 path of `forward` with everything between the input and output projections in one CPU kernel,
+        the gates' low-rank up projections included (same math and roundings; see csrc/cpu_gemv.cpp), in place on
+        the pool's slots."""
         qkv, f_a, g, b = linear(x[:, 0], self.in_proj).split([3 * self.P, self.K, self.split[2], self.H], dim=-1)
-        f = linear(f_a, self.f_b)
-        z = g if self.full_rank_gate else linear(g, self.g_b)
-        o = self.fused_step.kda_decode_step(qkv, state.pool_tensor(self.layer, "conv"), self.taps_2d, f, self.dt_bias,
-                                            self.decay_rate, self.bound or 0.0, b, z, self.o_norm, self.eps,
-                                            self.gate_activation == "silu", self.per_channel,
-                                            state.pool_tensor(self.layer, "recurrent"), state.slot_ids)
+        g_b = [] if self.full_rank_gate else weight_parts(self.g_b)
+        o = self.fused_step.kda_decode_step(qkv, state.pool_tensor(self.layer, "conv"), self.taps_2d, f_a,
+                                            weight_parts(self.f_b), self.dt_bias, self.decay_rate, self.bound or 0.0, b,
+                                            g, g_b, self.o_norm, self.eps, self.gate_activation == "silu",
+                                            self.per_channel, state.pool_tensor(self.layer, "recurrent"),
+                                            state.slot_ids)
         return linear(o, self.o_proj).unsqueeze(1)

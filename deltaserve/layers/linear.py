@@ -39,6 +39,11 @@ class Int8Weight:
         return self.q.numel() + self.scales.numel() * 4
 
 
+def weight_parts(weight: torch.Tensor | Int8Weight) -> list[torch.Tensor]:
+    """A weight as the CPU kernels take one: (W) dense, or (q, scales) int8."""
+    return [weight.q, weight.scales] if isinstance(weight, Int8Weight) else [weight]
+
+
 def quantize_module_weights(model: nn.Module) -> int:
     """Replace every weight the layers list in `int8_weights` (projections and experts) by an Int8Weight; weights
     whose input width is not whole blocks of 32 stay as they are. Returns how many were quantized."""

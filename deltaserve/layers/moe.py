@@ -17,7 +17,7 @@ from ..models.kimi_config import KimiConfig
 from ..ops.mxfp4 import BLOCK
 from ..ops.mxfp8 import quantize_dequantize_mxfp8
 from ..ops.cpu_kernels import MAX_ROWS, kernels
-from .linear import Int8Weight, linear, linear_mxfp4
+from .linear import Int8Weight, linear, linear_mxfp4, weight_parts
 from .mlp import GatedMLP, gated_activation, param
 from .norm import RMSNorm
 
@@ -102,8 +102,7 @@ class MoE(nn.Module):
         """The stacked tensors of one expert projection ("w13" or "w2"): (W), (packed, scales) or (q, scales)."""
         if self.cfg.experts_mxfp4:
             return [getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")]
-        weight = getattr(self, name)
-        return [weight.q, weight.scales] if isinstance(weight, Int8Weight) else [weight]
+        return weight_parts(getattr(self, name))
 
     def expert(self, e: int, h: torch.Tensor, qdq) -> torch.Tensor:
         """Expert e on the rows h [n, R] -> [n, R] (MXFP4 weights stay packed; see layers/linear.py)."""
@@ -113,6 +112,18 @@ class MoE(nn.Module):
         gate, up = linear(h, self.w13[e]).chunk(2, dim=-1)
         return linear(qdq(self.act(gate, up)), self.w2[e])
 
+    def _decode_kernels(self, h: torch.Tensor):
+        """The CPU kernels when they run this step's routed experts (decode: up to 8 tokens), else None."""
+        return (kernels() if h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16)
+                and h.shape[0] <= MAX_ROWS and not self.cfg.expert_input_mxfp8 else None)
+
+    @property
+    def fuses_shared(self) -> bool:
+        """Whether the decode kernel runs the shared expert beside the routed ones: it reads the routed experts'
+        input (no latent MoE) and has their widths."""
+        s = self.shared_experts
+        return s is not None and not self.latent and s.intermediate == self.I
+
     def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[n, k] * expert_{ids[n, k]}(h[n]) for every token n; h [N, R] -> [N, R]. Experts run in
         ascending order, as the reference sums them; assignments are grouped on the host (one sync). Decode (up to
@@ -120,11 +131,11 @@ class MoE(nn.Module):
         qdq = quantize_dequantize_mxfp8 if self.cfg.expert_input_mxfp8 else (lambda t: t)
         h = qdq(h)
         N, k = ids.shape
-        fused = (kernels() if h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16)
-                 and N <= MAX_ROWS and not self.cfg.expert_input_mxfp8 else None)
+        fused = self._decode_kernels(h)
         if fused is not None:
             return fused.routed_experts(h, ids, weights, self._stacked("w13"), self._stacked("w2"),
-                                        self.cfg.hidden_act == "situ", self.cfg.situ_beta, self.cfg.situ_linear_beta)
+                                        self.cfg.hidden_act == "situ", self.cfg.situ_beta, self.cfg.situ_linear_beta,
+                                        [], [])[0]
         if N <= MAX_ROWS and self.gathers_experts:
             return self.experts_gathered(h, ids, weights)
         by_expert: dict[int, list[int]] = {}
@@ -165,6 +176,13 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         ids, weights = route(x, self.gate_weight, self.e_score_correction_bias, self.cfg)
+        fused = self._decode_kernels(x) if self.fuses_shared else None
+        if fused is not None:      # routed and shared experts in one kernel call: two passes over the weights
+            out, shared = fused.routed_experts(x, ids, weights, self._stacked("w13"), self._stacked("w2"),
+                                               self.cfg.hidden_act == "situ", self.cfg.situ_beta,
+                                               self.cfg.situ_linear_beta, weight_parts(self.shared_experts.gate_up),
+                                               weight_parts(self.shared_experts.down))
+            return (out + shared).view(shape)
         if not self.latent:
             out = self.experts(x, ids, weights)
         else:

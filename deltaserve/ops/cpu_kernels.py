@@ -80,9 +80,10 @@ def _register_shapes(ns: str) -> None:
     fake("gemv_mxfp4")(lambda x, packed, scales: _rows_out(x, packed.shape[0]))
     fake("rms_norm")(lambda x, weight, eps: torch.empty_like(x, memory_format=torch.contiguous_format))
     fake("argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
-    fake("kda_decode_step")(lambda proj, conv, taps, f, dt_bias, decay, lower_bound, beta_logit, z, o_norm, eps,
-                            silu_gate, per_channel, state, slots:
+    fake("kda_decode_step")(lambda proj, conv, taps, f_a, f_b, dt_bias, decay, lower_bound, beta_logit, g, g_b,
+                            o_norm, eps, silu_gate, per_channel, state, slots:
                             proj.new_empty(proj.shape[0], state.shape[1] * state.shape[2]))
     fake("mla_decode")(lambda query, cache, latent, slots, positions, scale, rank:
                        query.new_empty(*query.shape[:2], rank))
-    fake("routed_experts")(lambda h, ids, weights, w13, w2, situ, beta, linear_beta: torch.empty_like(h))
+    fake("routed_experts")(lambda h, ids, weights, w13, w2, situ, beta, linear_beta, shared_gate_up, shared_down:
+                           (torch.empty_like(h), h.new_empty(h.shape[0] if shared_gate_up else 0, h.shape[1])))
