@@ -16,9 +16,11 @@ restart redoes only the Python-level trace. Off with `enforce_eager`.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +38,7 @@ def enforce_eager_default() -> bool:
 
 
 MAX_CHUNKS = 1 << 16        # bound of the symbolic chunk count (the engine's: prefill_tokens / chunk_size)
-GRAPHS_PER_PROCESS = 64    # dynamo's cache entries per compiled function: two per model, room for several (tests)
+GRAPHS_PER_PROCESS = 64    # dynamo's cache entries per code object: the prefill part's are shared by every model
 
 
 def can_compile(model: nn.Module) -> bool:
@@ -46,19 +48,35 @@ def can_compile(model: nn.Module) -> bool:
             and model.dtype in (torch.float32, torch.bfloat16) and not model.cfg.expert_input_mxfp8)
 
 
+_code_ids = itertools.count()
+
+
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with a code object of its own. Dynamo keeps compiled graphs and their guards per code object, so a
+    closure over one model made this way holds that model's graphs alone."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_code_ids)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 class Compiled:
     """`fn` through torch.compile, one graph per key the caller gives (which shapes it covers), compiled at the key's
-    first call; a key whose compile fails is reported once and then returns None, so the caller runs eagerly."""
+    first call; a key whose compile fails is reported once and then returns None, so the caller runs eagerly.
+    `fixed_modules`: the nn.Modules `fn` reads never change once compiled, so their guards are dropped."""
 
-    def __init__(self, what: str, fn: Callable[..., Any]):
+    def __init__(self, what: str, fn: Callable[..., Any], fixed_modules: bool = False):
         self.what = what
         # cpp_wrapper: the generated code calls its kernels from C++, not Python (decode measured 13-23% faster than
         # eager on bench-s, vs 7-10% with inductor's Python wrapper). No size asserts: the C++ wrapper checks every
         # input and every custom op's output shape with a std::stringstream built per check, 224 a bench-s decode step
         # (the fake shapes are checked once, by the compiled-vs-eager tests)
-        self.compiled = torch.compile(fn, fullgraph=True, options={
-            "emulate_precision_casts": True, "cpp_wrapper": True,
-            "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False})
+        options = {"emulate_precision_casts": True, "cpp_wrapper": True,
+                   "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+        skip_modules = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)    # torch >= 2.8
+        if fixed_modules and skip_modules is not None:
+            # a decode step's guards were 1,084 checks, 880 of them on the model's modules and weights, evaluated
+            # before every step; the inputs' guards (which graph: 1 row or 2..8) stay
+            options["guard_filter_fn"] = skip_modules
+        self.compiled = torch.compile(fn, fullgraph=True, options=options)
         self.compile_seconds: dict[int, float] = {}     # key -> its compiling call
         self.failed: set[int] = set()
 
@@ -109,7 +127,10 @@ class CompiledModel:
         # fails to compile. The CPU's flags, which inductor reads either way, decide instead.
         if torch._inductor.config.cpp.vec_isa_ok is None:
             torch._inductor.config.cpp.vec_isa_ok = True
-        self.decode = Compiled("decode step", model)
+        def decode(tokens: torch.Tensor, state: StateView) -> torch.Tensor:
+            return model(tokens, state, last_only=True)
+        # this model's own graphs: the model is fixed once loaded, so its guards are dropped
+        self.decode = Compiled("decode step", own_code(decode), fixed_modules=True)
         self.prefill = Compiled("prefill chunk", delta_rule.chunk_prepare)
         for module in model.modules():            # the CPU chunk kernel (ops/kda.py) takes the compiled part
             kernel = getattr(module, "chunk_kernel", None)
@@ -122,7 +143,7 @@ class CompiledModel:
     def decode_step(self, tokens: torch.Tensor, state: StateView) -> torch.Tensor | None:
         """Logits of each row's next token, [B, vocab]; None if this graph could not be compiled."""
         key = _symbolic((tokens, state.slot_ids, state.positions), 0, tokens.shape[0], MAX_ROWS)
-        return self.decode(key, tokens, state, last_only=True)
+        return self.decode(key, tokens, state)
 
     def chunk_prepare(self, *chunks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         chunks = tuple(c.contiguous() for c in chunks)       # one layout whatever the prompt length: no guard fails
