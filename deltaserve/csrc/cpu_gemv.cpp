@@ -383,41 +383,69 @@ struct Q8Rows {
   }
 };
 
-torch::Tensor input_rows(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "x must be [..., ", K, "]");
-  const auto rows = x.reshape({-1, K});
-  TORCH_CHECK(rows.size(0) >= 1 && rows.size(0) <= kMaxRows, "x must have 1..", kMaxRows, " rows");
-  return rows;
-}
-
-// Rows of inputs in the forms the kernels read for weights W: bf16 as they are for bf16 weights on a CPU with
-// AVX512-BF16, else fp32, and for MXFP4 (uint8 W) their even and odd elements apart.
+// Rows of inputs ([..., K] -> M rows of K) in the forms the kernels read for weights W: bf16 as they are for bf16
+// weights on a CPU with AVX512-BF16, else fp32, and for MXFP4 (uint8 W) their even and odd elements apart. Rows
+// already in that form are read in place (x must outlive this object); others are converted once, into buffers this
+// object owns (a decode step makes ~50 of these: no tensors, no ATen calls for the common layouts).
 struct Inputs {
-  torch::Tensor b, f, even, odd;
-  Inputs(const torch::Tensor& x, const torch::Tensor& W) {
-    if (kBf16Dot && x.scalar_type() == torch::kBFloat16 && W.scalar_type() == torch::kBFloat16 &&
-        W.size(-1) % 32 == 0) {
-      b = x.contiguous();
+  int64_t M, K;
+  const uint16_t* b = nullptr;
+  const float *f = nullptr, *even = nullptr, *odd = nullptr;
+
+  Inputs(const torch::Tensor& x, const torch::Tensor& W)
+      : M(0), K(W.size(-1) * (W.scalar_type() == torch::kByte ? 2 : 1)) {
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "x must be [..., ", K, "]");
+    M = x.numel() / K;
+    const bool dense = x.is_contiguous();
+    if (kBf16Dot && x.scalar_type() == torch::kBFloat16 && W.scalar_type() == torch::kBFloat16 && K % 32 == 0) {
+      b = static_cast<const uint16_t*>((dense ? x : hold_ = x.contiguous()).data_ptr());
       return;
     }
-    f = x.to(torch::kFloat).contiguous();
+    if (dense && x.scalar_type() == torch::kFloat) {
+      f = x.data_ptr<float>();
+    } else if (dense && x.scalar_type() == torch::kBFloat16) {
+      const auto* src = static_cast<const uint16_t*>(x.data_ptr());
+      own_.resize(M * K);
+      int64_t i = 0;
+      for (; i + 16 <= M * K; i += 16) store(own_.data() + i, load(src + i));
+      for (; i < M * K; ++i) own_[i] = bf16_to_float(src[i]);
+      f = own_.data();
+    } else {                                             // strided rows, other dtypes
+      hold_ = x.to(torch::kFloat).contiguous();
+      f = hold_.data_ptr<float>();
+    }
     if (W.scalar_type() == torch::kByte) {
-      const auto pairs = f.view({f.size(0), f.size(1) / 2, 2});
-      even = pairs.select(2, 0).contiguous(), odd = pairs.select(2, 1).contiguous();
+      pairs_.resize(M * K);
+      for (int64_t i = 0; i < M * K / 2; ++i) pairs_[i] = f[2 * i], pairs_[M * K / 2 + i] = f[2 * i + 1];
+      even = pairs_.data(), odd = pairs_.data() + M * K / 2;
     }
   }
-  int64_t rows() const { return (b.defined() ? b : f).size(0); }
-  template <typename T = float>
-  const T* row(const torch::Tensor& t, int64_t i) const {
-    return t.defined() ? static_cast<const T*>(t.data_ptr()) + i * t.size(1) : nullptr;
+  int64_t rows() const { return M; }
+  // the M of a product these rows feed alone (gemv): the kernels' row counts
+  int64_t product_rows() const {
+    TORCH_CHECK(M >= 1 && M <= kMaxRows, "x must have 1..", kMaxRows, " rows");
+    return M;
   }
+  const float* row_f(int64_t i) const { return f + i * K; }
+  const float* row_even(int64_t i) const { return even + i * K / 2; }
+  const float* row_odd(int64_t i) const { return odd + i * K / 2; }
+  const uint16_t* row_b(int64_t i) const { return b + i * K; }
+
+ private:
+  torch::Tensor hold_;
+  std::vector<float> own_, pairs_;
 };
 
-// y [M, N] -> x's leading shape and dtype.
-torch::Tensor like_input(const torch::Tensor& y, const torch::Tensor& x) {
+// An empty result with x's leading shape and N columns, in x's dtype when the kernels write it (fp32, bf16), else in
+// fp32 (`finish` converts it).
+torch::Tensor result_like(const torch::Tensor& x, int64_t N, bool any_dtype) {
   auto shape = x.sizes().vec();
-  shape.back() = y.size(1);
-  return y.view(shape).to(x.scalar_type());
+  shape.back() = N;
+  const bool direct = any_dtype && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16);
+  return torch::empty(shape, x.options().dtype(direct ? x.scalar_type() : torch::kFloat));
+}
+torch::Tensor finish(const torch::Tensor& y, const torch::Tensor& x) {
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
 // y[m] = W x[m] for rows [n0, n1) of a dense W (fp32 or bf16), each result rounded once to OT.
@@ -426,13 +454,13 @@ void dense_product(const Inputs& x, int64_t row0, const torch::Tensor& W, const 
                    OT* y, int64_t N) {
   const int64_t K = W.size(-1);
 #if defined(__AVX512F__)
-  if (x.b.defined())
-    return bf16_rows<OT, M>(x.row<uint16_t>(x.b, row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
+  if (x.b)
+    return bf16_rows<OT, M>(x.row_b(row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
 #endif
   if (W.scalar_type() == torch::kBFloat16)
-    dense_rows<uint16_t, OT, M>(x.row(x.f, row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
+    dense_rows<uint16_t, OT, M>(x.row_f(row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
   else
-    dense_rows<float, OT, M>(x.row(x.f, row0), K, reinterpret_cast<const float*>(base), n0, n1, y, N);
+    dense_rows<float, OT, M>(x.row_f(row0), K, reinterpret_cast<const float*>(base), n0, n1, y, N);
 }
 
 template <int M>
@@ -448,15 +476,14 @@ struct DenseRows {
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& W) {
   TORCH_CHECK(W.dim() == 2 && W.is_contiguous(), "W must be a contiguous [N, K] matrix");
   TORCH_CHECK(W.scalar_type() == torch::kFloat || W.scalar_type() == torch::kBFloat16, "W must be float32 or bfloat16");
-  const int64_t N = W.size(0), K = W.size(1);
-  const Inputs xs(input_rows(x, K), W);
+  const int64_t N = W.size(0);
+  const Inputs xs(x, W);
   // fp32 or bf16 results are written as such; another input dtype gets fp32 results converted
-  const bool direct = x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16;
-  auto y = torch::empty({xs.rows(), N}, x.options().dtype(direct ? x.scalar_type() : torch::kFloat));
-  const auto into = [&](auto* out) { by_rows<DenseRows>(xs.rows(), N, 64, &xs, &W, out, N); };
+  auto y = result_like(x, N, true);
+  const auto into = [&](auto* out) { by_rows<DenseRows>(xs.product_rows(), N, 64, &xs, &W, out, N); };
   if (y.scalar_type() == torch::kBFloat16) into(static_cast<at::BFloat16*>(y.data_ptr()));
   else into(y.data_ptr<float>());
-  return like_input(y, x);
+  return finish(y, x);
 }
 
 torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
@@ -465,12 +492,11 @@ torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, co
               "packed [N, K/2] and scales [N, K/32] must be contiguous uint8");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(K % 32 == 0 && scales.size(0) == N && scales.size(1) == K / 32, "scales must be [N, K/32]");
-  const Inputs xs(input_rows(x, K), packed);
-  const int64_t M = xs.rows();
-  auto y = torch::empty({M, N}, xs.f.options());
-  by_rows<Mxfp4Rows>(M, N, 16, xs.even.data_ptr<float>(), xs.odd.data_ptr<float>(), K, packed.data_ptr<uint8_t>(),
+  const Inputs xs(x, packed);
+  auto y = result_like(x, N, false);
+  by_rows<Mxfp4Rows>(xs.product_rows(), N, 16, xs.even, xs.odd, K, packed.data_ptr<uint8_t>(),
                      scales.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
-  return like_input(y, x);
+  return finish(y, x);
 }
 
 torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
@@ -478,12 +504,11 @@ torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torc
   const int64_t N = q.size(0), K = q.size(1);
   TORCH_CHECK(K % 32 == 0 && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / 32 &&
               scales.scalar_type() == torch::kFloat && scales.is_contiguous(), "scales must be float32 [N, K/32]");
-  const Inputs xs(input_rows(x, K), q);
-  const int64_t M = xs.rows();
-  auto y = torch::empty({M, N}, xs.f.options());
-  by_rows<Q8Rows>(M, N, 32, xs.f.data_ptr<float>(), K, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
+  const Inputs xs(x, q);
+  auto y = result_like(x, N, false);
+  by_rows<Q8Rows>(xs.product_rows(), N, 32, xs.f, K, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
                   y.data_ptr<float>(), N);
-  return like_input(y, x);
+  return finish(y, x);
 }
 
 // Products of stacked weights (routed experts) and of a weight given in parts (dense, or int8 with scales), for
@@ -505,10 +530,10 @@ void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, i
   if (w.size() == 1) {
     dense_product<float, M>(x, g.begin, w[0], expert_base(0), n0, n1, y, N);
   } else if (w[0].scalar_type() == torch::kByte) {
-    mxfp4_rows<M>(x.row(x.even, g.begin), x.row(x.odd, g.begin), w[0].size(2) * 2, (const uint8_t*)expert_base(0),
+    mxfp4_rows<M>(x.row_even(g.begin), x.row_odd(g.begin), w[0].size(2) * 2, (const uint8_t*)expert_base(0),
                   (const uint8_t*)expert_base(1), n0, n1, y, N);
   } else {
-    q8_rows<M>(x.row(x.f, g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1,
+    q8_rows<M>(x.row_f(g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1,
                y, N);
   }
 }
@@ -582,7 +607,8 @@ void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, co
   float* s = S + a.slots[b] * a.state_stride + h * K * K;                // [K keys][K values]
   // the state streams from memory (a batch's states outgrow the caches): its first kPrefetchBytes asked for at
   // once, then every line that far ahead, as the GEMVs read their weights
-  for (int64_t i = 0; i < std::min<int64_t>(K * K, kPrefetchBytes / 4); i += 16) _mm_prefetch((const char*)(s + i), _MM_HINT_T1);
+  for (int64_t i = 0; i < std::min<int64_t>(K * K, kPrefetchBytes / 4); i += 16)
+    _mm_prefetch(reinterpret_cast<const char*>(s + i), _MM_HINT_T1);
   std::vector<float> pred(K, 0.f), o(K, 0.f);
   for (int64_t r = 0; r < K; ++r) {
     const float fr = f[r] + dt_bias[h * K + r];
@@ -691,9 +717,9 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
 // slot order, with the same ops, shapes and roundings as the op-by-op loop in layers/moe.py (gate/up and down
 // results in h's dtype; SwiGLU as silu(g) * u in h's dtype; SiTU in fp32, rounded once). A stacked weight is (W)
 // dense [E, N, K], (packed, scales) MXFP4 or (q, scales) int8. The shared expert, when given ([N, K] dense or int8,
-// the widths of a routed one), runs on all tokens in the same passes and comes back apart, as GatedMLP computes it. All gate/up products run
-// as one parallel pass, then all down products as another (two thread fork-joins per layer), each expert's weights
-// read once for all its tokens, each row computed exactly as gemv computes it.
+// the widths of a routed one), runs on all tokens in the same passes and comes back apart, as GatedMLP computes it.
+// All gate/up products run as one parallel pass, then all down products as another (two thread fork-joins per
+// layer), each expert's weights read once for all its tokens, each row computed exactly as gemv computes it.
 namespace {
 using WeightSets = std::array<at::TensorList, 2>;
 
