@@ -109,35 +109,42 @@ def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, dtype):
                                                      (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("H", [4, 19])          # 19: heads in groups of 16, 8 and 1 (context) and 8 and 1 (scores)
 def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype, H):
-    """The MLA decode kernel (write the new latent in place, attend over the slot's own length) vs the op-by-op
-    attention over the gathered cache with its mask, for rows of different lengths in non-contiguous slots."""
+    """The MLA decode kernel (fold W_UK into the query, write the new latent in place, attend over the slot's own
+    length, apply W_UV) vs the op-by-op absorbed attention over the gathered cache with its mask, for rows of
+    different lengths in non-contiguous slots."""
+    from deltaserve.layers.linear import matmul
     from deltaserve.layers.mla import latent_attention
     from deltaserve.state import StatePool
     from deltaserve.models.spec import StateSpec
     g = torch.Generator().manual_seed(3)
-    rank, rope, slots, starts = 40, 8, [5, 0, 2], [0, 37, 300]
+    rank, rope, nope, v, slots, starts = 40, 8, 24, 16, [5, 0, 2], [0, 37, 300]
     pool = StatePool({0: {"latent": StateSpec((rank + rope,), cache_dtype, per_token=True)}}, 6, 400)
     pool.tensors[0, "latent"].copy_(torch.randn(6, 400, rank + rope, generator=g))
-    query = torch.randn(3, H, 1, rank + rope, generator=g).to(query_dtype)
+    w_kv = (torch.randn(H, nope + v, rank, generator=g) * 0.2).to(query_dtype)        # kv_b_proj, per head
+    q = torch.randn(3, H, 1, nope + rope, generator=g).to(query_dtype)
     latent = torch.randn(3, 1, rank + rope, generator=g).to(query_dtype)
     saved = pool.tensors[0, "latent"].clone()
     cache, mask = pool.view(slots, starts).append(0, "latent", latent)
-    ref = latent_attention(query, cache, mask, 0.3, rank)
+    query = torch.cat((matmul(q[..., :nope], w_kv[:, :nope].float()), q[..., nope:]), dim=-1)
+    ctx = latent_attention(query, cache, mask, 0.3, rank)
+    ref = matmul(ctx, w_kv[:, nope:].transpose(1, 2).float()).reshape(3, H * v)
     expected_pool = pool.tensors[0, "latent"].clone()
     pool.tensors[0, "latent"].copy_(saved)
     view = pool.view(slots, starts)
-    got = k.mla_decode(query[:, :, 0].contiguous(), pool.tensors[0, "latent"], latent[:, 0].contiguous(),
-                       view.slot_ids, view.positions, 0.3, rank)
+    got = k.mla_decode(q[:, :, 0], w_kv[:, :nope].transpose(1, 2).contiguous(), w_kv[:, nope:],
+                       pool.tensors[0, "latent"], latent[:, 0].contiguous(), view.slot_ids, view.positions, 0.3)
     assert torch.equal(pool.tensors[0, "latent"], expected_pool)
-    assert got.dtype == query_dtype and got.shape == (3, H, rank)
-    tol = 1e-5 if query_dtype == torch.float32 else 2e-2      # bf16: an ulp of the rounded probabilities and output
-    assert (got.float() - ref[:, :, 0].float()).abs().max() <= tol
+    assert got.dtype == query_dtype and got.shape == (3, H * v)
+    # bf16: an ulp or two of the rounded query, probabilities, context and output
+    tol = 1e-5 if query_dtype == torch.float32 else 2 ** -6
+    assert (got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
 
 
 def test_decode_kernels_refuse_bad_slots():
     cache = torch.zeros(2, 8, 16)
-    q, latent = torch.zeros(2, 1, 16), torch.zeros(2, 16)
-    run = lambda slots, positions: k.mla_decode(q, cache, latent, torch.tensor(slots), torch.tensor(positions), 1.0, 8)
+    q, latent, w_uk, w_uv = torch.zeros(2, 1, 12), torch.zeros(2, 16), torch.zeros(1, 8, 4), torch.zeros(1, 4, 8)
+    run = lambda slots, positions: k.mla_decode(q, w_uk, w_uv, cache, latent, torch.tensor(slots),
+                                                torch.tensor(positions), 1.0)
     with pytest.raises(RuntimeError, match="outside the cache"):
         run([0, 2], [0, 0])
     with pytest.raises(RuntimeError, match="outside the cache"):

@@ -901,9 +901,10 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
 }
 
 // One decode step of latent attention (MLA, absorbed form; layers/mla.py) for a batch whose rows live in cache slots:
-// writes row b's new latent at position positions[b] of slot slots[b], then attends over positions 0..positions[b]
-// of that slot. As the op-by-op form rounds: scores to the query's dtype, then scaled in it; softmax in fp32, the
-// probabilities rounded to the query's dtype; the context summed in fp32 and rounded once. Reading the cache in
+// folds W_UK into each head's query, writes row b's new latent at position positions[b] of slot slots[b], attends
+// over positions 0..positions[b] of that slot, and applies W_UV to each head's context. As the op-by-op form rounds:
+// the absorbed query to q's dtype; scores to it, then scaled in it; softmax in fp32, the probabilities rounded to
+// q's dtype; the context summed in fp32 and rounded once; the output rounded once. Reading the cache in
 // place, per row's own length, is what lets a compiled decode step keep static shapes.
 namespace {
 inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
@@ -1049,14 +1050,49 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
 }
 }  // namespace
 
-torch::Tensor mla_decode(const torch::Tensor& query, torch::Tensor cache, const torch::Tensor& latent,
-                         const torch::Tensor& slots, const torch::Tensor& positions, double scale, int64_t rank) {
-  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, H, C]");
-  const int64_t B = query.size(0), H = query.size(1), C = query.size(2);
-  TORCH_CHECK(cache.dim() == 3 && cache.size(2) == C && cache.is_contiguous(), "cache must be contiguous [slots, L, C]");
+namespace {
+// y[b * y_row + h * y_head + n] = W_h x[b, h] for n in [0, N) of every head h, rounded to T: the absorbed products
+// of latent attention (W_h: [N, K] rows, heads W.stride(0) apart; x[b, h, k] at b * xs[0] + h * xs[1] + k * xs[2]),
+// one task per head, each row as gemv computes it.
+template <typename T>
+void per_head_products(const torch::Tensor& W, int64_t B, int64_t H, const T* x, std::array<int64_t, 3> xs, int64_t K,
+                       T* y, int64_t y_row, int64_t y_head) {
+  const int64_t N = W.size(1);
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> rows(B * K);
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t k = 0; k < K; ++k) rows[b * K + k] = to_float(x[b * xs[0] + h * xs[1] + k * xs[2]]);
+      const char* base = static_cast<const char*>(W.data_ptr()) + h * W.stride(0) * W.element_size();
+      with_rows(B, [&](auto m) {
+        constexpr int M = decltype(m)::value;
+        if (W.scalar_type() == torch::kBFloat16)
+          dense_rows<uint16_t, T, M>(rows.data(), K, reinterpret_cast<const uint16_t*>(base), 0, N, y + h * y_head,
+                                     y_row);
+        else
+          dense_rows<float, T, M>(rows.data(), K, reinterpret_cast<const float*>(base), 0, N, y + h * y_head, y_row);
+      });
+    }
+  });
+}
+}  // namespace
+
+torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& w_uk, const torch::Tensor& w_uv,
+                         torch::Tensor cache, const torch::Tensor& latent, const torch::Tensor& slots,
+                         const torch::Tensor& positions, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, nope + rope]");
+  const int64_t B = q.size(0), H = q.size(1), C = cache.size(2);
+  TORCH_CHECK(B >= 1 && B <= kMaxRows, "q must have 1..", kMaxRows, " rows");
+  TORCH_CHECK(w_uk.dim() == 3 && w_uk.size(0) == H && w_uk.is_contiguous() && w_uv.dim() == 3 && w_uv.size(0) == H &&
+              w_uv.stride(2) == 1 && w_uv.stride(1) == w_uv.size(2) && w_uk.scalar_type() == w_uv.scalar_type() &&
+              (w_uk.scalar_type() == torch::kFloat || w_uk.scalar_type() == torch::kBFloat16),
+              "w_uk must be contiguous [H, rank, nope] and w_uv [H, v, rank] (each head's rows contiguous), "
+              "float32 or bfloat16");
+  const int64_t rank = w_uk.size(1), nope = w_uk.size(2), rope = q.size(2) - nope, V = w_uv.size(1);
+  TORCH_CHECK(w_uv.size(2) == rank && rope >= 0 && C == rank + rope, "widths: the cache holds rank + rope columns");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous(), "cache must be contiguous [slots, L, C]");
   TORCH_CHECK(latent.dim() == 2 && latent.size(0) == B && latent.size(1) == C && latent.is_contiguous() &&
-              latent.scalar_type() == query.scalar_type(), "latent must be contiguous [B, C] in the query's dtype");
-  TORCH_CHECK(rank > 0 && rank <= C, "rank must be in 1..C");
+              latent.scalar_type() == q.scalar_type(), "latent must be contiguous [B, C] in q's dtype");
   for (const auto* t : {&slots, &positions})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == torch::kLong && t->is_contiguous(),
                 "slots and positions must be int64 [B]");
@@ -1066,17 +1102,27 @@ torch::Tensor mla_decode(const torch::Tensor& query, torch::Tensor cache, const 
     TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0) && pos[b] >= 0 && pos[b] < cache.size(1),
                 "slot ", slot[b], " / position ", pos[b], " outside the cache");
   check_distinct(slot, B);
-  auto out = torch::empty({B, H, rank}, query.options());
-  const auto qt = query.scalar_type(), ct = cache.scalar_type();
+  const auto qt = q.scalar_type(), ct = cache.scalar_type();
   TORCH_CHECK((qt == torch::kFloat || qt == torch::kBFloat16) && (ct == torch::kFloat || ct == torch::kBFloat16),
-              "query and cache must be float32 or bfloat16");
+              "q and cache must be float32 or bfloat16");
+  TORCH_CHECK(!(qt == torch::kFloat && ct == torch::kBFloat16), "an fp32 query needs an fp32 cache");
+  auto out = torch::empty({B, H * V}, q.options());
   auto run = [&](auto q_type, auto c_type) {
     using QT = decltype(q_type);
     using CT = decltype(c_type);
-    mla_rows<QT, CT>(query.data_ptr<QT>(), cache.data_ptr<CT>(), latent.data_ptr<QT>(), slot, pos, B, H, C,
-                     cache.stride(0), float(scale), rank, out.data_ptr<QT>());
+    const QT* qp = q.data_ptr<QT>();
+    const int64_t sb = q.stride(0), sh = q.stride(1), sc = q.stride(2);
+    // the query: W_UK folded into its no-position part (rounded to q's dtype, as the op-by-op product), then k_pe's
+    std::vector<QT> query(B * H * C), ctx(B * H * rank);
+    per_head_products<QT>(w_uk, B, H, qp, {sb, sh, sc}, nope, query.data(), H * C, C);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t k = 0; k < rope; ++k) query[(b * H + h) * C + rank + k] = qp[b * sb + h * sh + (nope + k) * sc];
+    mla_rows<QT, CT>(query.data(), cache.data_ptr<CT>(), latent.data_ptr<QT>(), slot, pos, B, H, C, cache.stride(0),
+                     float(scale), rank, ctx.data());
+    // W_UV applied to each head's context
+    per_head_products<QT>(w_uv, B, H, ctx.data(), {H * rank, rank, 1}, rank, out.data_ptr<QT>(), H * V, V);
   };
-  TORCH_CHECK(!(qt == torch::kFloat && ct == torch::kBFloat16), "an fp32 query needs an fp32 cache");
   if (qt == torch::kFloat) run(float{}, float{});
   else if (ct == torch::kFloat) run(at::BFloat16{}, float{});
   else run(at::BFloat16{}, at::BFloat16{});
@@ -1176,8 +1222,8 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("kda_decode_step(Tensor proj, Tensor(a!) conv, Tensor taps, Tensor f_a, Tensor[] f_b, Tensor dt_bias, "
         "Tensor decay, float lower_bound, Tensor beta_logit, Tensor g, Tensor[] g_b, Tensor o_norm, float eps, "
         "bool silu_gate, bool per_channel, Tensor(b!) state, Tensor slots) -> Tensor");
-  m.def("mla_decode(Tensor query, Tensor(a!) cache, Tensor latent, Tensor slots, Tensor positions, float scale, "
-        "int rank) -> Tensor");
+  m.def("mla_decode(Tensor q, Tensor w_uk, Tensor w_uv, Tensor(a!) cache, Tensor latent, Tensor slots, "
+        "Tensor positions, float scale) -> Tensor");
   m.def("routed_experts(Tensor h, Tensor ids, Tensor weights, Tensor[] w13, Tensor[] w2, bool situ, float beta, "
         "float linear_beta, Tensor[] shared_gate_up, Tensor[] shared_down) -> (Tensor, Tensor)");
 }

@@ -66,6 +66,9 @@ class MLAttention(nn.Module):
         self.w_uk = w_kv[:, :self.nope].to(dtype).contiguous()                              # [H, nope, r]
         self.w_uv_t = w_kv[:, self.nope:].transpose(1, 2).to(dtype).contiguous()            # [H, r, v]
         self.fused_step = kernels() if fused_decode(self.kv_b_proj) else None     # decode attention as one op
+        if self.fused_step is not None:       # the kernel's layout: each head's rows, in the weights' own dtype
+            self.w_uk_rows = w_kv[:, :self.nope].transpose(1, 2).contiguous()               # [H, r, nope]
+            self.w_uv_rows = w_kv[:, self.nope:]                                             # [H, v, r], a view
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
@@ -73,17 +76,17 @@ class MLAttention(nn.Module):
         q, c, k_pe, gate = linear(x, self.in_proj).split([self.q_width, self.rank, self.rope, self.gate_width], -1)
         if self.q_rank:
             q = linear(self.q_a_layernorm(q), self.q_b_proj)
-        q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)            # [B, H, T, 192]
         latent = torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
-        query = torch.cat((matmul(q[..., :self.nope], self.w_uk), q[..., self.nope:]), dim=-1)   # [B, H, T, r + rope]
-        if T == 1 and self.fused_step is not None:     # in place on the pool's slots (csrc/cpu_gemv.cpp)
-            ctx = self.fused_step.mla_decode(query[:, :, 0].contiguous(), state.pool_tensor(self.layer, "latent"),
-                                             latent[:, 0].contiguous(), state.slot_ids, state.positions, self.scale,
-                                             self.rank).unsqueeze(2)
+        if T == 1 and self.fused_step is not None:     # absorption and attention in one op, in place on the pool
+            out = self.fused_step.mla_decode(q.view(B, H, self.nope + self.rope), self.w_uk_rows, self.w_uv_rows,
+                                             state.pool_tensor(self.layer, "latent"), latent[:, 0].contiguous(),
+                                             state.slot_ids, state.positions, self.scale).unsqueeze(1)
         else:
+            q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)            # [B, H, T, 192]
+            query = torch.cat((matmul(q[..., :self.nope], self.w_uk), q[..., self.nope:]), dim=-1)    # [.., r + rope]
             cache, mask = state.append(self.layer, "latent", latent)           # [B, L, r + rope], [B, 1, T, L]
             ctx = latent_attention(query, cache, mask, self.scale, self.rank)   # [B, H, T, r]
-        out = matmul(ctx, self.w_uv_t).transpose(1, 2).reshape(B, T, H * self.v_dim)
+            out = matmul(ctx, self.w_uv_t).transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.gate_width:
             out = out * torch.sigmoid(gate)
         return linear(out, self.o_proj)

@@ -83,7 +83,7 @@ def _register_shapes(ns: str) -> None:
     fake("kda_decode_step")(lambda proj, conv, taps, f_a, f_b, dt_bias, decay, lower_bound, beta_logit, g, g_b,
                             o_norm, eps, silu_gate, per_channel, state, slots:
                             proj.new_empty(proj.shape[0], state.shape[1] * state.shape[2]))
-    fake("mla_decode")(lambda query, cache, latent, slots, positions, scale, rank:
-                       query.new_empty(*query.shape[:2], rank))
+    fake("mla_decode")(lambda q, w_uk, w_uv, cache, latent, slots, positions, scale:
+                       q.new_empty(q.shape[0], q.shape[1] * w_uv.shape[1]))
     fake("routed_experts")(lambda h, ids, weights, w13, w2, situ, beta, linear_beta, shared_gate_up, shared_down:
                            (torch.empty_like(h), h.new_empty(h.shape[0] if shared_gate_up else 0, h.shape[1])))
