@@ -53,6 +53,26 @@ def test_compiled_decode_equals_eager(tiny_dir, dtype):
     assert torch._dynamo.utils.ReinplaceCounters.get_total_missed() == 0
 
 
+def test_each_model_keeps_its_own_graphs(tiny_dir, tmp_path):
+    """A decode step compiles into graphs of its model's own (compiled.own_code), which check no guards on the model:
+    a second model of the same shapes but other constants (routed_scaling_factor, rms_norm_eps) neither reuses nor
+    replaces the first one's."""
+    from deltaserve.tiny import make_tiny
+    first = LLM(tiny_dir, dtype="float32", enforce_eager=False)
+    if first.runner.compiled is None:
+        pytest.skip("needs the CPU decode kernels (x86 with AVX2 or AVX-512 and a C++ compiler)")
+    other = make_tiny(tmp_path / "other", seed=5, routed_scaling_factor=0.5, rms_norm_eps=1e-2)
+    second = LLM(other, dtype="float32", enforce_eager=False)
+    counters = torch._dynamo.utils.counters
+    for i, llm in enumerate((first, second, first)):
+        graphs = counters["stats"]["unique_graphs"]
+        compiled, eager = decode_both_ways(llm, 1)
+        assert (compiled - eager).abs().max() <= 1e-4
+        added = counters["stats"]["unique_graphs"] - graphs          # (prefilling the prompts compiles too)
+        assert added >= 1 if i < 2 else added == 0                     # the first model's graphs are reused
+    assert not first.runner.compiled.decode.failed and not second.runner.compiled.decode.failed
+
+
 def test_compiled_prefill_equals_eager(tiny_dir):
     """Prompts of one chunk and of several (chunk_size 16: 7, 16, 45 and 100 tokens), scored per prefill chunk of 64:
     the compiled chunk_prepare against the eager one, fp32."""

@@ -79,14 +79,21 @@ def test_bad_shapes_are_refused():
         k.gemv_mxfp4(torch.randn(1, 64), torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, dtype):
+@pytest.mark.parametrize("dtype,gates", [("float32", "random"), ("bfloat16", "random"), ("float32", "extreme")])
+def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, dtype, gates):
     """KDA and MLA decode kernels (in place on the pool's slots): the same slots and states advanced both ways for a
-    few tokens of a batch of 3 (non-contiguous slots, different lengths)."""
+    few tokens of a batch of 3 (non-contiguous slots, different lengths). "extreme": forget-gate biases from -120 to
+    120, so the kernel's vectorized softplus meets its threshold (20), its exponent's clamp (88) and inputs whose e^f
+    vanishes next to 1."""
     from deltaserve import LLM
+    from deltaserve.layers.kda import KimiDeltaAttention
     llm = LLM(tiny_dir, dtype=dtype)
     runner, layers = llm.runner, llm.model.model.layers
     mixers = [layer.self_attn for layer in layers]
+    if gates == "extreme":
+        for mixer in mixers:
+            if isinstance(mixer, KimiDeltaAttention):
+                mixer.dt_bias.copy_(torch.linspace(-120, 120, mixer.dt_bias.numel()))
     prompts = [list(range(3, 40)), list(range(50, 70)), list(range(100, 160))]
     slots = [0, 5, 2]
     outputs = {}
