@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -225,9 +226,6 @@ inline float widen(uint16_t w) { return bf16_to_float(w); }
 // decode step's mix of shapes, 2 threads: fp32 20 -> 28 GB/s, bf16 16 -> 31; 8-16 KB ahead did best, the L1 hint
 // and shorter distances did worse). A prefetch past the end of a tensor does not fault.
 constexpr int64_t kPrefetchBytes = 16384;
-#ifndef PSTART
-#define PSTART 1
-#endif
 inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1); }
 // A stream's start, which prefetch_ahead never asks for: its first kPrefetchBytes at once (n bytes at most), so a
 // product (or an expert's rows) does not begin with a run of demand misses, one latency after another.
@@ -281,7 +279,7 @@ void dense_block(const float* x, int64_t K, const WT* W, int64_t n, OT* y, int64
 template <typename WT, typename OT, int M>
 void dense_rows(const float* x, int64_t K, const WT* W, int64_t n0, int64_t n1, OT* y, int64_t N) {
   constexpr int R = dense_rows_per_pass(M);
-  if (PSTART) prefetch_start(W + n0 * K, (n1 - n0) * K * int64_t(sizeof(WT)));
+  prefetch_start(W + n0 * K, (n1 - n0) * K * int64_t(sizeof(WT)));
   int64_t n = n0;
   for (; n + R <= n1; n += R) dense_block<WT, OT, M, R>(x, K, W, n, y, N);
   for (; n < n1; ++n) dense_block<WT, OT, M, 1>(x, K, W, n, y, N);
@@ -369,7 +367,7 @@ template <int M>
 void mxfp4_rows(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, int64_t n0,
                 int64_t n1, float* y, int64_t N) {
   constexpr int R = rows_per_pass(M);
-  if (PSTART) prefetch_start(P + n0 * K / 2, (n1 - n0) * K / 2);
+  prefetch_start(P + n0 * K / 2, (n1 - n0) * K / 2);
   int64_t n = n0;
   for (; n + R <= n1; n += R) mxfp4_block<M, R>(xe, xo, K, P, S, n, y, N);
   for (; n < n1; ++n) mxfp4_block<M, 1>(xe, xo, K, P, S, n, y, N);
@@ -406,7 +404,7 @@ template <int M>
 void q8_rows(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t n0, int64_t n1, float* y,
              int64_t N) {
   constexpr int R = rows_per_pass(M);
-  if (PSTART) prefetch_start(Q + n0 * K, (n1 - n0) * K);
+  prefetch_start(Q + n0 * K, (n1 - n0) * K);
   int64_t n = n0;
   for (; n + R <= n1; n += R) q8_block<M, R>(x, K, Q, S, n, y, N);
   for (; n < n1; ++n) q8_block<M, 1>(x, K, Q, S, n, y, N);
@@ -427,9 +425,34 @@ void with_rows(int64_t m, F&& f) {
   }
 }
 
+// f(c0, c1) over [0, N) in chunks of `grain` rows, on torch's threads: each thread takes the chunks of its own share in
+// order, then any a slower thread (a descheduled vCPU, a late start) has not begun, so none waits out another's share.
+// Which thread computes a chunk never changes its result.
+template <typename F>
+void balanced_for(int64_t N, int64_t grain, F&& f) {
+  const int64_t chunks = (N + grain - 1) / grain;
+  const int threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1) {
+    at::parallel_for(0, N, grain, f);
+    return;
+  }
+  std::unique_ptr<std::atomic<bool>[]> taken(new std::atomic<bool>[chunks]);
+  for (int64_t c = 0; c < chunks; ++c) taken[c].store(false, std::memory_order_relaxed);
+  auto run = [&](int64_t c) {
+    if (!taken[c].exchange(true, std::memory_order_relaxed)) f(c * grain, std::min(N, (c + 1) * grain));
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t own0 = chunks * t / threads, own1 = chunks * (t + 1) / threads;
+      for (int64_t c = own0; c < own1; ++c) run(c);
+      for (int64_t c = chunks - 1; c >= 0; --c) run(c);        // what others left: from the far end
+    }
+  });
+}
+
 template <template <int> class Rows, typename... Args>
 void by_rows(int64_t M, int64_t N, int64_t grain, Args... args) {
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  balanced_for(N, std::max(grain, N / (8 * at::get_num_threads())), [&](int64_t n0, int64_t n1) {
     with_rows(M, [&](auto m) { Rows<decltype(m)::value>::run(args..., n0, n1); });
   });
 }
@@ -740,7 +763,7 @@ torch::Tensor kda_step_typed(const KdaArgs& a, const torch::Tensor& proj, torch:
   const Inputs fx(f_a, f_b[0]);
   const std::optional<Inputs> gx = g_b.empty() ? std::nullopt : std::optional<Inputs>(std::in_place, g, g_b[0]);
   const int64_t K = a.K, HK = a.H * K, g_stride = g.stride(0);
-  at::parallel_for(0, a.B * a.H, 1, [&](int64_t t0, int64_t t1) {
+  balanced_for(a.B * a.H, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> rows(HK), f(K), z(K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / a.H, h = t % a.H;
@@ -820,7 +843,7 @@ torch::Tensor experts_product(const WeightSets& w, const std::vector<Group>& gro
   auto y = torch::empty({x.rows(), N}, torch::kFloat);
   float* out = y.data_ptr<float>();
   const int64_t G = groups.size();
-  at::parallel_for(0, G * N, 16, [&](int64_t t0, int64_t t1) {
+  balanced_for(G * N, std::max<int64_t>(16, G * N / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
     while (t0 < t1) {                       // split the range at group boundaries
       const Group& g = groups[t0 / N];
       const int64_t n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
