@@ -24,6 +24,23 @@ def test_gemv_equals_float64_reference(dtype, x_dtype, K):
         assert (got.double() - ref[:M]).abs().max() <= rounding * ref.abs().max()
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "mxfp4"])
+def test_widened_results_are_the_rounded_ones_in_fp32(weights, x_dtype):
+    """Bitwise: `widen` (logits) gives what a product in x's dtype gives, then `.float()`."""
+    from deltaserve.ops.int8 import quantize_int8
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(300, 512, generator=g)
+    x = torch.randn(8, 512, generator=g).to(x_dtype)
+    run = {"fp32": lambda rows, *w: k.gemv(rows, W, *w), "bf16": lambda rows, *w: k.gemv(rows, W.bfloat16(), *w),
+           "int8": lambda rows, *w: k.gemv_q8(rows, *quantize_int8(W), *w),
+           "mxfp4": lambda rows, *w: k.gemv_mxfp4(rows, *quantize_mxfp4(W), *w)}[weights]
+    for M in (1, 3, 8):
+        rounded, widened = run(x[:M]), run(x[:M], True)
+        assert rounded.dtype == x_dtype and widened.dtype == torch.float32
+        assert torch.equal(widened, rounded.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_is_torchs(dtype):
     """The first largest value, NaN first of all, for lengths around the 16-wide vector and a vocabulary."""

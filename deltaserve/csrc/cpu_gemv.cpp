@@ -234,6 +234,10 @@ inline void prefetch_start(const void* p, int64_t n) {
 }
 
 template <typename T> inline void store(T* y, float v) { *y = T(v); }       // bf16: rounded to nearest even
+// A result rounded to T and kept as fp32, as `.to(T).float()` gives it, written once: a separate conversion pass would
+// first read back what other threads just wrote (cache lines held by other cores: [8, 32000] logits 20 -> 140 us).
+template <typename T> struct Widened { float v; };
+template <typename T> inline void store(Widened<T>* y, float v) { y->v = float(T(v)); }
 
 // How many sums a pass over the weights keeps in registers (32 on AVX-512, 16 on AVX2, each V16 taking two): with
 // few input rows, one accumulator per (row, input row) is a single FMA chain whose latency, not memory, would bound
@@ -333,13 +337,14 @@ inline float e8m0(uint8_t s) {
 }
 
 // x is given de-interleaved per 32-block: xe holds the even elements, xo the odd ones ([M, K/2] each).
-template <int M, int R>
-void mxfp4_block(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, int64_t n, float* y,
+template <typename OT, int M, int R>
+void mxfp4_block(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, int64_t n, OT* y,
                  int64_t N) {
   const int64_t blocks = K / 32, half = K / 2;
   if constexpr (M > kPassInputs) {
-    mxfp4_block<kPassInputs, R>(xe, xo, K, P, S, n, y, N);
-    mxfp4_block<M - kPassInputs, R>(xe + kPassInputs * half, xo + kPassInputs * half, K, P, S, n, y + kPassInputs * N, N);
+    mxfp4_block<OT, kPassInputs, R>(xe, xo, K, P, S, n, y, N);
+    mxfp4_block<OT, M - kPassInputs, R>(xe + kPassInputs * half, xo + kPassInputs * half, K, P, S, n,
+                                        y + kPassInputs * N, N);
   } else {
     V16 acc[R][M];
     for (int r = 0; r < R; ++r)
@@ -358,26 +363,26 @@ void mxfp4_block(const float* xe, const float* xo, int64_t K, const uint8_t* P, 
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = hsum(acc[r][m]);
+      for (int m = 0; m < M; ++m) store(y + m * N + n + r, hsum(acc[r][m]));
   }
 }
 
 // x is given de-interleaved per 32-block: xe holds the even elements, xo the odd ones ([M, K/2] each).
-template <int M>
+template <typename OT, int M>
 void mxfp4_rows(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, int64_t n0,
-                int64_t n1, float* y, int64_t N) {
+                int64_t n1, OT* y, int64_t N) {
   constexpr int R = rows_per_pass(M);
   prefetch_start(P + n0 * K / 2, (n1 - n0) * K / 2);
   int64_t n = n0;
-  for (; n + R <= n1; n += R) mxfp4_block<M, R>(xe, xo, K, P, S, n, y, N);
-  for (; n < n1; ++n) mxfp4_block<M, 1>(xe, xo, K, P, S, n, y, N);
+  for (; n + R <= n1; n += R) mxfp4_block<OT, M, R>(xe, xo, K, P, S, n, y, N);
+  for (; n < n1; ++n) mxfp4_block<OT, M, 1>(xe, xo, K, P, S, n, y, N);
 }
 
-template <int M, int R>
-void q8_block(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t n, float* y, int64_t N) {
+template <typename OT, int M, int R>
+void q8_block(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t n, OT* y, int64_t N) {
   if constexpr (M > kPassInputs) {
-    q8_block<kPassInputs, R>(x, K, Q, S, n, y, N);
-    q8_block<M - kPassInputs, R>(x + kPassInputs * K, K, Q, S, n, y + kPassInputs * N, N);
+    q8_block<OT, kPassInputs, R>(x, K, Q, S, n, y, N);
+    q8_block<OT, M - kPassInputs, R>(x + kPassInputs * K, K, Q, S, n, y + kPassInputs * N, N);
   } else {
     const int64_t blocks = K / 32;
     V16 acc[R][M];
@@ -395,19 +400,18 @@ void q8_block(const float* x, int64_t K, const int8_t* Q, const float* S, int64_
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = hsum(acc[r][m]);
+      for (int m = 0; m < M; ++m) store(y + m * N + n + r, hsum(acc[r][m]));
   }
 }
 
 // Int8 weights with one fp32 scale per 32 consecutive inputs (llama.cpp's Q8_0 layout, fp32 scales).
-template <int M>
-void q8_rows(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t n0, int64_t n1, float* y,
-             int64_t N) {
+template <typename OT, int M>
+void q8_rows(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t n0, int64_t n1, OT* y, int64_t N) {
   constexpr int R = rows_per_pass(M);
   prefetch_start(Q + n0 * K, (n1 - n0) * K);
   int64_t n = n0;
-  for (; n + R <= n1; n += R) q8_block<M, R>(x, K, Q, S, n, y, N);
-  for (; n < n1; ++n) q8_block<M, 1>(x, K, Q, S, n, y, N);
+  for (; n + R <= n1; n += R) q8_block<OT, M, R>(x, K, Q, S, n, y, N);
+  for (; n < n1; ++n) q8_block<OT, M, 1>(x, K, Q, S, n, y, N);
 }
 
 // f(std::integral_constant<int, m>{}) for a row count m in 1..kMaxRows known only at run time.
@@ -459,17 +463,19 @@ void by_rows(int64_t M, int64_t N, int64_t grain, Args... args) {
 
 template <int M>
 struct Mxfp4Rows {
-  static void run(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, float* y,
-                  int64_t N, int64_t n0, int64_t n1) {
-    mxfp4_rows<M>(xe, xo, K, P, S, n0, n1, y, N);
+  template <typename OT>
+  static void run(const float* xe, const float* xo, int64_t K, const uint8_t* P, const uint8_t* S, OT* y, int64_t N,
+                  int64_t n0, int64_t n1) {
+    mxfp4_rows<OT, M>(xe, xo, K, P, S, n0, n1, y, N);
   }
 };
 
 template <int M>
 struct Q8Rows {
-  static void run(const float* x, int64_t K, const int8_t* Q, const float* S, float* y, int64_t N, int64_t n0,
+  template <typename OT>
+  static void run(const float* x, int64_t K, const int8_t* Q, const float* S, OT* y, int64_t N, int64_t n0,
                   int64_t n1) {
-    q8_rows<M>(x, K, Q, S, n0, n1, y, N);
+    q8_rows<OT, M>(x, K, Q, S, n0, n1, y, N);
   }
 };
 
@@ -526,17 +532,32 @@ struct Inputs {
   std::vector<float> own_, pairs_;
 };
 
-// An empty result with x's leading shape and N columns, in x's dtype when the kernels write it (fp32, bf16), else in
-// fp32 (`finish` converts it).
-torch::Tensor result_like(const torch::Tensor& x, int64_t N, bool any_dtype) {
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  const bool direct = any_dtype && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16);
-  return torch::empty(shape, x.options().dtype(direct ? x.scalar_type() : torch::kFloat));
-}
-torch::Tensor finish(const torch::Tensor& y, const torch::Tensor& x) {
-  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
-}
+// The result of a product of x's rows ([..., N]): each value rounded to x's dtype, and given back in it or, `widen`,
+// in fp32 (`.float()` of it). The kernels write fp32, bf16 and widened bf16 values directly (`into` hands them the
+// output as the type they store); for another dtype they write fp32 and `finish` rounds.
+class Result {
+ public:
+  Result(const torch::Tensor& x, int64_t N, bool widen) : dtype_(x.scalar_type()), widen_(widen) {
+    auto shape = x.sizes().vec();
+    shape.back() = N;
+    y_ = torch::empty(shape, x.options().dtype(dtype_ == torch::kBFloat16 && !widen ? dtype_ : torch::kFloat));
+  }
+  template <typename F>
+  void into(F&& f) {
+    if (dtype_ != torch::kBFloat16) f(y_.data_ptr<float>());
+    else if (widen_) f(reinterpret_cast<Widened<at::BFloat16>*>(y_.data_ptr<float>()));
+    else f(static_cast<at::BFloat16*>(y_.data_ptr()));
+  }
+  torch::Tensor finish() const {
+    if (dtype_ == torch::kFloat || dtype_ == torch::kBFloat16) return y_;
+    return widen_ ? y_.to(dtype_).to(torch::kFloat) : y_.to(dtype_);
+  }
+
+ private:
+  torch::Tensor y_;
+  c10::ScalarType dtype_;
+  bool widen_;
+};
 
 // y[m] = W x[m] for rows [n0, n1) of a dense W (fp32 or bf16), each result rounded once to OT.
 template <typename OT, int M>
@@ -563,42 +584,43 @@ struct DenseRows {
 
 }  // namespace
 
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& W) {
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& W, bool widen) {
   TORCH_CHECK(W.dim() == 2 && W.is_contiguous(), "W must be a contiguous [N, K] matrix");
   TORCH_CHECK(W.scalar_type() == torch::kFloat || W.scalar_type() == torch::kBFloat16, "W must be float32 or bfloat16");
   const int64_t N = W.size(0);
   const Inputs xs(x, W);
-  // fp32 or bf16 results are written as such; another input dtype gets fp32 results converted
-  auto y = result_like(x, N, true);
-  const auto into = [&](auto* out) { by_rows<DenseRows>(xs.product_rows(), N, 64, &xs, &W, out, N); };
-  if (y.scalar_type() == torch::kBFloat16) into(static_cast<at::BFloat16*>(y.data_ptr()));
-  else into(y.data_ptr<float>());
-  return finish(y, x);
+  Result y(x, N, widen);
+  y.into([&](auto* out) { by_rows<DenseRows>(xs.product_rows(), N, 64, &xs, &W, out, N); });
+  return y.finish();
 }
 
-torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                         bool widen) {
   TORCH_CHECK(packed.dim() == 2 && scales.dim() == 2 && packed.is_contiguous() && scales.is_contiguous() &&
               packed.scalar_type() == torch::kByte && scales.scalar_type() == torch::kByte,
               "packed [N, K/2] and scales [N, K/32] must be contiguous uint8");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(K % 32 == 0 && scales.size(0) == N && scales.size(1) == K / 32, "scales must be [N, K/32]");
   const Inputs xs(x, packed);
-  auto y = result_like(x, N, false);
-  by_rows<Mxfp4Rows>(xs.product_rows(), N, 16, xs.even, xs.odd, K, packed.data_ptr<uint8_t>(),
-                     scales.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
-  return finish(y, x);
+  Result y(x, N, widen);
+  y.into([&](auto* out) {
+    by_rows<Mxfp4Rows>(xs.product_rows(), N, 16, xs.even, xs.odd, K, packed.data_ptr<uint8_t>(),
+                       scales.data_ptr<uint8_t>(), out, N);
+  });
+  return y.finish();
 }
 
-torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
+torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, bool widen) {
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == torch::kChar, "q must be contiguous int8 [N, K]");
   const int64_t N = q.size(0), K = q.size(1);
   TORCH_CHECK(K % 32 == 0 && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / 32 &&
               scales.scalar_type() == torch::kFloat && scales.is_contiguous(), "scales must be float32 [N, K/32]");
   const Inputs xs(x, q);
-  auto y = result_like(x, N, false);
-  by_rows<Q8Rows>(xs.product_rows(), N, 32, xs.f, K, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                  y.data_ptr<float>(), N);
-  return finish(y, x);
+  Result y(x, N, widen);
+  y.into([&](auto* out) {
+    by_rows<Q8Rows>(xs.product_rows(), N, 32, xs.f, K, q.data_ptr<int8_t>(), scales.data_ptr<float>(), out, N);
+  });
+  return y.finish();
 }
 
 // Products of stacked weights (routed experts) and of a weight given in parts (dense, or int8 with scales), for
@@ -620,10 +642,10 @@ void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, i
   if (w.size() == 1) {
     dense_product<float, M>(x, g.begin, w[0], expert_base(0), n0, n1, y, N);
   } else if (w[0].scalar_type() == torch::kByte) {
-    mxfp4_rows<M>(x.row_even(g.begin), x.row_odd(g.begin), w[0].size(2) * 2, (const uint8_t*)expert_base(0),
+    mxfp4_rows<float, M>(x.row_even(g.begin), x.row_odd(g.begin), w[0].size(2) * 2, (const uint8_t*)expert_base(0),
                   (const uint8_t*)expert_base(1), n0, n1, y, N);
   } else {
-    q8_rows<M>(x.row_f(g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1,
+    q8_rows<float, M>(x.row_f(g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1,
                y, N);
   }
 }
@@ -1237,9 +1259,10 @@ torch::Tensor argmax(const torch::Tensor& x) {
 // Registered as operators (torch.ops.<this build's name>), so torch.compile sees them as single nodes; their
 // shape functions are in ops/cpu_kernels.py.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv(Tensor x, Tensor W) -> Tensor");
-  m.def("gemv_q8(Tensor x, Tensor q, Tensor scales) -> Tensor");
-  m.def("gemv_mxfp4(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  // widen: results rounded to x's dtype, given back in fp32 (logits)
+  m.def("gemv(Tensor x, Tensor W, bool widen=False) -> Tensor");
+  m.def("gemv_q8(Tensor x, Tensor q, Tensor scales, bool widen=False) -> Tensor");
+  m.def("gemv_mxfp4(Tensor x, Tensor packed, Tensor scales, bool widen=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("kda_decode_step(Tensor proj, Tensor(a!) conv, Tensor taps, Tensor f_a, Tensor[] f_b, Tensor dt_bias, "

@@ -121,12 +121,12 @@ class KimiLinearForCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, state: StateView, last_only: bool = False) -> torch.Tensor:
         """Logits [B, T, vocab] (or [B, vocab] for the last position only), float32, on every rank."""
         h = self.hidden_states(tokens, state)
-        last = linear(h[:, -1], self.lm_head_weight)
+        last = linear(h[:, -1], self.lm_head_weight, widen=True)
         if last_only:
-            return self.tp.all_gather_last(last.float())
-        logits = linear(h, self.lm_head_weight)
+            return self.tp.all_gather_last(last)
+        logits = linear(h, self.lm_head_weight, widen=True)
         logits[:, -1] = last        # as a decode step computes it: the same whether or not the others are asked for
-        return self.tp.all_gather_last(logits.float())
+        return self.tp.all_gather_last(logits)
 
     def checkpoint_map(self) -> dict[str, torch.Tensor]:
         """Official checkpoint tensor name -> the tensor (or view of a fused tensor) it is loaded into."""
