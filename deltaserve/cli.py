@@ -93,7 +93,7 @@ def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
                    help="ranks (processes) sharing the model; gloo on CPU, NCCL on CUDA; torchrun for several hosts")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run eagerly (by default a CPU compiles the decode step and prefill chunks with torch.compile "
-                        "during warmup; compiled graphs are cached under ~/.cache/deltaserve/inductor)")
+                        "during warmup; compiled graphs are cached under ~/.cache/deltaserve/inductor/<vector ISA>)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="decode one sequence per forward, so a sequence's logits never depend on what else is "
                         "batched (bf16 included); costs decode throughput")

@@ -10,8 +10,8 @@ state pool in place by slot index (state.py `slot_ids`, `positions`). The prefil
 `chunk_prepare`) fuses the intra-chunk decay products, which eagerly take several passes over [C, C, K] tensors.
 Roundings follow eager (inductor's `emulate_precision_casts`): bf16 decode logits equal eager's bit for bit at
 batch 1 where bf16 products are widened to fp32 (CPUs without bf16 arithmetic), else within one bf16 rounding.
-Compiled graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, default ~/.cache/deltaserve/inductor), so a
-restart redoes only the Python-level trace. Off with `enforce_eager`.
+Compiled graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, default ~/.cache/deltaserve/inductor/<ISA>),
+so a restart redoes only the Python-level trace. Off with `enforce_eager`.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from .ops import delta_rule
 from .ops.cpu_kernels import MAX_ROWS, kernels
@@ -113,20 +115,30 @@ def _symbolic(tensors: tuple[torch.Tensor, ...], dim: int, size: int, most: int)
     return min(size, 2)
 
 
+def inductor_cache_dir() -> Path:
+    """Where compiled graphs are kept unless TORCHINDUCTOR_CACHE_DIR says: one directory per vector ISA that inductor
+    generates code for. Its graph cache is not keyed by it: a cache written on an AVX-512 machine and read under AVX2
+    (another machine sharing the directory, or ATEN_CPU_CAPABILITY=avx2) gave loops stepping 16 floats built for
+    8-float vectors, which computed NaNs."""
+    # inductor checks each vector ISA the CPU's flags list by building a test library and loading it in a new Python
+    # process: seconds of each cold start, and a probe that fails (seen twice here) silently turns the ISA off for the
+    # process, so vectorized code from the disk cache is then built without its flags and fails to compile. The CPU's
+    # flags, which inductor reads either way, decide instead.
+    if torch._inductor.config.cpp.vec_isa_ok is None:
+        torch._inductor.config.cpp.vec_isa_ok = True
+    isa = "-".join(str(pick_vec_isa()).lower().split())         # e.g. avx2, "avx512 avx512_vnni"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve" / "inductor" / isa
+
+
 class CompiledModel:
     """The compiled parts of one model: `decode` (the model's forward for one new token per row) and `prefill`
     (chunk_prepare, installed into the model's CPU chunk kernels)."""
 
     def __init__(self, model: nn.Module):
-        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve" / "inductor"
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        # importing torch._dynamo already set torch's default (/tmp/torchinductor_<user>): replace that, not a user's
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_PROCESS)
-        # inductor checks each vector ISA the CPU's flags list by building a test library and loading it in a new
-        # Python process: seconds of each cold start, and a probe that fails (seen twice here) silently turns the
-        # ISA off for the process, so vectorized code from the disk cache is then built without its flags and
-        # fails to compile. The CPU's flags, which inductor reads either way, decide instead.
-        if torch._inductor.config.cpp.vec_isa_ok is None:
-            torch._inductor.config.cpp.vec_isa_ok = True
         def decode(tokens: torch.Tensor, state: StateView) -> torch.Tensor:
             return model(tokens, state, last_only=True)
         # this model's own graphs: the model is fixed once loaded, so its guards are dropped

@@ -161,3 +161,23 @@ def test_a_compiled_server_serves_concurrent_requests(tiny_dir):
     finally:
         log = server.stop()
     assert "compiling the" not in log and "Recompiling" not in log
+
+
+def test_compiled_graphs_are_cached_per_vector_isa(tmp_path):
+    """Inductor's graph cache does not key on the vector ISA: AVX-512 loops read back under AVX2 computed NaNs. The
+    default directory differs when torch is told to use another ISA (or none)."""
+    import os
+    import subprocess
+    import sys
+    probe = "from deltaserve.compiled import inductor_cache_dir; print(inductor_cache_dir())"
+
+    def cache_dir(capability: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        env["XDG_CACHE_HOME"] = str(tmp_path)
+        if capability is not None:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    native, plain = cache_dir(None), cache_dir("default")
+    assert native.startswith(str(tmp_path / "deltaserve" / "inductor")) and native != plain
