@@ -26,8 +26,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._inductor.cpu_vec_isa import pick_vec_isa
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from .ops import delta_rule
 from .ops.cpu_kernels import MAX_ROWS, kernels
@@ -115,19 +113,24 @@ def _symbolic(tensors: tuple[torch.Tensor, ...], dim: int, size: int, most: int)
     return min(size, 2)
 
 
-def inductor_cache_dir() -> Path:
-    """Where compiled graphs are kept unless TORCHINDUCTOR_CACHE_DIR says: one directory per vector ISA that inductor
-    generates code for. Its graph cache is not keyed by it: a cache written on an AVX-512 machine and read under AVX2
-    (another machine sharing the directory, or ATEN_CPU_CAPABILITY=avx2) gave loops stepping 16 floats built for
-    8-float vectors, which computed NaNs."""
+def configure_inductor() -> None:
+    """Trust the CPU's flags for inductor's vector ISA, and keep compiled graphs in one directory per ISA unless the
+    user set TORCHINDUCTOR_CACHE_DIR."""
     # inductor checks each vector ISA the CPU's flags list by building a test library and loading it in a new Python
     # process: seconds of each cold start, and a probe that fails (seen twice here) silently turns the ISA off for the
     # process, so vectorized code from the disk cache is then built without its flags and fails to compile. The CPU's
     # flags, which inductor reads either way, decide instead.
     if torch._inductor.config.cpp.vec_isa_ok is None:
         torch._inductor.config.cpp.vec_isa_ok = True
-    isa = "-".join(str(pick_vec_isa()).lower().split())         # e.g. avx2, "avx512 avx512_vnni"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve" / "inductor" / isa
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    # inductor's graph cache is not keyed by the vector ISA: a cache written on an AVX-512 machine and read under AVX2
+    # (a shared directory, or ATEN_CPU_CAPABILITY=avx2) gave loops stepping 16 floats built for 8-float vectors, which
+    # computed NaNs. Importing torch._dynamo sets torch's default (/tmp/torchinductor_<user>): that is replaced too.
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        isa = "-".join(str(pick_vec_isa()).lower().split())         # e.g. avx2, "avx512 avx512_vnni"
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve" / "inductor" / isa
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
 
 
 class CompiledModel:
@@ -135,9 +138,7 @@ class CompiledModel:
     (chunk_prepare, installed into the model's CPU chunk kernels)."""
 
     def __init__(self, model: nn.Module):
-        # importing torch._dynamo already set torch's default (/tmp/torchinductor_<user>): replace that, not a user's
-        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+        configure_inductor()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_PROCESS)
         def decode(tokens: torch.Tensor, state: StateView) -> torch.Tensor:
             return model(tokens, state, last_only=True)

@@ -26,19 +26,22 @@ def test_gemv_equals_float64_reference(dtype, x_dtype, K):
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "mxfp4"])
-def test_widened_results_are_the_rounded_ones_in_fp32(weights, x_dtype):
-    """Bitwise: `widen` (logits) gives what a product in x's dtype gives, then `.float()`."""
+def test_results_are_rounded_to_the_input_dtype_once(weights, x_dtype):
+    """Bitwise: a product's results in x's dtype are its fp32 results rounded once (written directly for bf16), and
+    `float_out` (logits) gives those rounded values in fp32."""
     from deltaserve.ops.int8 import quantize_int8
     g = torch.Generator().manual_seed(2)
     W = torch.randn(300, 512, generator=g)
     x = torch.randn(8, 512, generator=g).to(x_dtype)
-    run = {"fp32": lambda rows, *w: k.gemv(rows, W, *w), "bf16": lambda rows, *w: k.gemv(rows, W.bfloat16(), *w),
-           "int8": lambda rows, *w: k.gemv_q8(rows, *quantize_int8(W), *w),
-           "mxfp4": lambda rows, *w: k.gemv_mxfp4(rows, *quantize_mxfp4(W), *w)}[weights]
+    run = {"fp32": lambda rows, *f: k.gemv(rows, W, *f), "bf16": lambda rows, *f: k.gemv(rows, W.bfloat16(), *f),
+           "int8": lambda rows, *f: k.gemv_q8(rows, *quantize_int8(W), *f),
+           "mxfp4": lambda rows, *f: k.gemv_mxfp4(rows, *quantize_mxfp4(W), *f)}[weights]
     for M in (1, 3, 8):
-        rounded, widened = run(x[:M]), run(x[:M], True)
-        assert rounded.dtype == x_dtype and widened.dtype == torch.float32
-        assert torch.equal(widened, rounded.float())
+        rounded, float_out = run(x[:M]), run(x[:M], True)
+        assert rounded.dtype == x_dtype and float_out.dtype == torch.float32
+        assert torch.equal(float_out, rounded.float())
+        if not (weights == "bf16" and x_dtype == torch.bfloat16):     # bf16 x bf16: its own products (pairs)
+            assert torch.equal(rounded, run(x[:M].float()).to(x_dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -236,8 +236,9 @@ inline void prefetch_start(const void* p, int64_t n) {
 template <typename T> inline void store(T* y, float v) { *y = T(v); }       // bf16: rounded to nearest even
 // A result rounded to T and kept as fp32, as `.to(T).float()` gives it, written once: a separate conversion pass would
 // first read back what other threads just wrote (cache lines held by other cores: [8, 32000] logits 20 -> 140 us).
-template <typename T> struct Widened { float v; };
-template <typename T> inline void store(Widened<T>* y, float v) { y->v = float(T(v)); }
+template <typename T> struct FloatOut { float v; };
+static_assert(sizeof(FloatOut<at::BFloat16>) == sizeof(float), "stored in place of a float");
+template <typename T> inline void store(FloatOut<T>* y, float v) { y->v = float(T(v)); }
 
 // How many sums a pass over the weights keeps in registers (32 on AVX-512, 16 on AVX2, each V16 taking two): with
 // few input rows, one accumulator per (row, input row) is a single FMA chain whose latency, not memory, would bound
@@ -434,6 +435,7 @@ void with_rows(int64_t m, F&& f) {
 // Which thread computes a chunk never changes its result.
 template <typename F>
 void balanced_for(int64_t N, int64_t grain, F&& f) {
+  grain = std::max<int64_t>(grain, 1);
   const int64_t chunks = (N + grain - 1) / grain;
   const int threads = std::min<int64_t>(at::get_num_threads(), chunks);
   if (threads <= 1) {
@@ -443,7 +445,9 @@ void balanced_for(int64_t N, int64_t grain, F&& f) {
   std::unique_ptr<std::atomic<bool>[]> taken(new std::atomic<bool>[chunks]);
   for (int64_t c = 0; c < chunks; ++c) taken[c].store(false, std::memory_order_relaxed);
   auto run = [&](int64_t c) {
-    if (!taken[c].exchange(true, std::memory_order_relaxed)) f(c * grain, std::min(N, (c + 1) * grain));
+    // a plain read first: scanning chunks already taken then writes no flag line that their owners also write
+    if (!taken[c].load(std::memory_order_relaxed) && !taken[c].exchange(true, std::memory_order_relaxed))
+      f(c * grain, std::min(N, (c + 1) * grain));
   };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -532,31 +536,31 @@ struct Inputs {
   std::vector<float> own_, pairs_;
 };
 
-// The result of a product of x's rows ([..., N]): each value rounded to x's dtype, and given back in it or, `widen`,
-// in fp32 (`.float()` of it). The kernels write fp32, bf16 and widened bf16 values directly (`into` hands them the
+// The result of a product of x's rows ([..., N]): each value rounded to x's dtype, and given back in it or, with
+// `float_out`, in fp32 (`.float()` of it). The kernels write fp32, bf16 and such bf16 values directly (`into` hands the
 // output as the type they store); for another dtype they write fp32 and `finish` rounds.
 class Result {
  public:
-  Result(const torch::Tensor& x, int64_t N, bool widen) : dtype_(x.scalar_type()), widen_(widen) {
+  Result(const torch::Tensor& x, int64_t N, bool float_out) : dtype_(x.scalar_type()), float_out_(float_out) {
     auto shape = x.sizes().vec();
     shape.back() = N;
-    y_ = torch::empty(shape, x.options().dtype(dtype_ == torch::kBFloat16 && !widen ? dtype_ : torch::kFloat));
+    y_ = torch::empty(shape, x.options().dtype(dtype_ == torch::kBFloat16 && !float_out ? dtype_ : torch::kFloat));
   }
   template <typename F>
   void into(F&& f) {
     if (dtype_ != torch::kBFloat16) f(y_.data_ptr<float>());
-    else if (widen_) f(reinterpret_cast<Widened<at::BFloat16>*>(y_.data_ptr<float>()));
+    else if (float_out_) f(reinterpret_cast<FloatOut<at::BFloat16>*>(y_.data_ptr<float>()));
     else f(static_cast<at::BFloat16*>(y_.data_ptr()));
   }
   torch::Tensor finish() const {
     if (dtype_ == torch::kFloat || dtype_ == torch::kBFloat16) return y_;
-    return widen_ ? y_.to(dtype_).to(torch::kFloat) : y_.to(dtype_);
+    return float_out_ ? y_.to(dtype_).to(torch::kFloat) : y_.to(dtype_);
   }
 
  private:
   torch::Tensor y_;
   c10::ScalarType dtype_;
-  bool widen_;
+  bool float_out_;
 };
 
 // y[m] = W x[m] for rows [n0, n1) of a dense W (fp32 or bf16), each result rounded once to OT.
@@ -584,25 +588,25 @@ struct DenseRows {
 
 }  // namespace
 
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& W, bool widen) {
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& W, bool float_out) {
   TORCH_CHECK(W.dim() == 2 && W.is_contiguous(), "W must be a contiguous [N, K] matrix");
   TORCH_CHECK(W.scalar_type() == torch::kFloat || W.scalar_type() == torch::kBFloat16, "W must be float32 or bfloat16");
   const int64_t N = W.size(0);
   const Inputs xs(x, W);
-  Result y(x, N, widen);
+  Result y(x, N, float_out);
   y.into([&](auto* out) { by_rows<DenseRows>(xs.product_rows(), N, 64, &xs, &W, out, N); });
   return y.finish();
 }
 
 torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                         bool widen) {
+                         bool float_out) {
   TORCH_CHECK(packed.dim() == 2 && scales.dim() == 2 && packed.is_contiguous() && scales.is_contiguous() &&
               packed.scalar_type() == torch::kByte && scales.scalar_type() == torch::kByte,
               "packed [N, K/2] and scales [N, K/32] must be contiguous uint8");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(K % 32 == 0 && scales.size(0) == N && scales.size(1) == K / 32, "scales must be [N, K/32]");
   const Inputs xs(x, packed);
-  Result y(x, N, widen);
+  Result y(x, N, float_out);
   y.into([&](auto* out) {
     by_rows<Mxfp4Rows>(xs.product_rows(), N, 16, xs.even, xs.odd, K, packed.data_ptr<uint8_t>(),
                        scales.data_ptr<uint8_t>(), out, N);
@@ -610,13 +614,13 @@ torch::Tensor gemv_mxfp4(const torch::Tensor& x, const torch::Tensor& packed, co
   return y.finish();
 }
 
-torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, bool widen) {
+torch::Tensor gemv_q8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, bool float_out) {
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == torch::kChar, "q must be contiguous int8 [N, K]");
   const int64_t N = q.size(0), K = q.size(1);
   TORCH_CHECK(K % 32 == 0 && scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / 32 &&
               scales.scalar_type() == torch::kFloat && scales.is_contiguous(), "scales must be float32 [N, K/32]");
   const Inputs xs(x, q);
-  Result y(x, N, widen);
+  Result y(x, N, float_out);
   y.into([&](auto* out) {
     by_rows<Q8Rows>(xs.product_rows(), N, 32, xs.f, K, q.data_ptr<int8_t>(), scales.data_ptr<float>(), out, N);
   });
@@ -642,11 +646,11 @@ void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, i
   if (w.size() == 1) {
     dense_product<float, M>(x, g.begin, w[0], expert_base(0), n0, n1, y, N);
   } else if (w[0].scalar_type() == torch::kByte) {
-    mxfp4_rows<float, M>(x.row_even(g.begin), x.row_odd(g.begin), w[0].size(2) * 2, (const uint8_t*)expert_base(0),
-                  (const uint8_t*)expert_base(1), n0, n1, y, N);
+    mxfp4_rows<float, M>(x.row_even(g.begin), x.row_odd(g.begin), w[0].size(2) * 2,
+                         (const uint8_t*)expert_base(0), (const uint8_t*)expert_base(1), n0, n1, y, N);
   } else {
-    q8_rows<float, M>(x.row_f(g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1), n0, n1,
-               y, N);
+    q8_rows<float, M>(x.row_f(g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1),
+                      n0, n1, y, N);
   }
 }
 
@@ -785,7 +789,7 @@ torch::Tensor kda_step_typed(const KdaArgs& a, const torch::Tensor& proj, torch:
   const Inputs fx(f_a, f_b[0]);
   const std::optional<Inputs> gx = g_b.empty() ? std::nullopt : std::optional<Inputs>(std::in_place, g, g_b[0]);
   const int64_t K = a.K, HK = a.H * K, g_stride = g.stride(0);
-  balanced_for(a.B * a.H, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, a.B * a.H, 1, [&](int64_t t0, int64_t t1) {     // scratch buffers once per thread
     std::vector<float> rows(HK), f(K), z(K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / a.H, h = t % a.H;
@@ -1259,10 +1263,10 @@ torch::Tensor argmax(const torch::Tensor& x) {
 // Registered as operators (torch.ops.<this build's name>), so torch.compile sees them as single nodes; their
 // shape functions are in ops/cpu_kernels.py.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
-  // widen: results rounded to x's dtype, given back in fp32 (logits)
-  m.def("gemv(Tensor x, Tensor W, bool widen=False) -> Tensor");
-  m.def("gemv_q8(Tensor x, Tensor q, Tensor scales, bool widen=False) -> Tensor");
-  m.def("gemv_mxfp4(Tensor x, Tensor packed, Tensor scales, bool widen=False) -> Tensor");
+  // float_out: results rounded to x's dtype, given back in fp32 (logits)
+  m.def("gemv(Tensor x, Tensor W, bool float_out=False) -> Tensor");
+  m.def("gemv_q8(Tensor x, Tensor q, Tensor scales, bool float_out=False) -> Tensor");
+  m.def("gemv_mxfp4(Tensor x, Tensor packed, Tensor scales, bool float_out=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("kda_decode_step(Tensor proj, Tensor(a!) conv, Tensor taps, Tensor f_a, Tensor[] f_b, Tensor dt_bias, "

@@ -75,23 +75,23 @@ def _widen(a: torch.Tensor, b: torch.Tensor) -> bool:
             and _rows(a) >= WIDEN_FROM_ROWS)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, widen: bool = False) -> torch.Tensor:
-    """x @ weight^T in x's dtype; `widen`: then given back in fp32 (logits), which the decode kernels write at once
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, float_out: bool = False) -> torch.Tensor:
+    """x @ weight^T in x's dtype; `float_out`: then given back in fp32 (logits), which the decode kernels write at once
     rather than in a second pass."""
     if isinstance(weight, Int8Weight):
         k = _decode_kernels(x, weight.q)
         if k is not None:
-            return k.gemv_q8(x, weight.q, weight.scales, widen)
-        return linear(x, dequantize_int8(weight.q, weight.scales, x.dtype), widen)
+            return k.gemv_q8(x, weight.q, weight.scales, float_out)
+        return linear(x, dequantize_int8(weight.q, weight.scales, x.dtype), float_out)
     # fp32 too: as fast as MKL's GEMV for one row, 2x for 8 (measured), and batch-invariant
     k = _decode_kernels(x, weight) if weight.dtype in (torch.bfloat16, torch.float32) else None
     if k is not None:
-        return k.gemv(x, weight, widen)
+        return k.gemv(x, weight, float_out)
     if _widen(x, weight):
         y = F.linear(x.float(), weight.float()).to(x.dtype)
     else:
         y = F.linear(x, weight)
-    return y.float() if widen else y
+    return y.float() if float_out else y
 
 
 def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -138,10 +138,10 @@ class MoE(nn.Module):
                                         [], [])[0]
         if N <= MAX_ROWS and self.gathers_experts:
             return self.experts_gathered(h, ids, weights)
-        # assignments sorted by expert (then slot): each expert's rows are one slice of a single gather
-        slots = ids.flatten().argsort(stable=True)
+        # assignments (n * k + j) in expert order, then slot order: each expert's rows are one slice of a single gather
+        order = ids.flatten().argsort(stable=True)
         counts = torch.bincount(ids.flatten(), minlength=self.cfg.num_experts).tolist()      # the one host sync
-        rows, row_weights = h[slots // k], weights.flatten()[slots, None]
+        rows, row_weights = h[order // k], weights.flatten()[order, None]
         results = torch.empty_like(rows)
         begin = 0
         for e, n in enumerate(counts):
@@ -149,12 +149,14 @@ class MoE(nn.Module):
                 end = begin + n
                 results[begin:end] = self.expert(e, rows[begin:end], qdq) * row_weights[begin:end]
                 begin = end
-        # each token's results summed in h's dtype in ascending expert order, one expert at a time, as adding each
-        # expert's results in turn (index_add_) rounds them
-        by_token = results[slots.argsort().view(N, k).gather(1, ids.argsort(dim=1))]     # [N, k, R]
+        del rows
+        # each token's results added in h's dtype in ascending expert order, one expert at a time, as adding each
+        # expert's results in turn (index_add_) rounds them; a token's experts are distinct (route), so the order is
+        # unique. at[n, i]: the row of results holding token n's i-th smallest expert.
+        at = order.argsort().view(N, k).gather(1, ids.argsort(dim=1))
         out = torch.zeros_like(h)
-        for j in range(k):
-            out = out + by_token[:, j]
+        for i in range(k):
+            out = out + results[at[:, i]]
         return out
 
     @property

@@ -121,10 +121,10 @@ class KimiLinearForCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, state: StateView, last_only: bool = False) -> torch.Tensor:
         """Logits [B, T, vocab] (or [B, vocab] for the last position only), float32, on every rank."""
         h = self.hidden_states(tokens, state)
-        last = linear(h[:, -1], self.lm_head_weight, widen=True)
+        last = linear(h[:, -1], self.lm_head_weight, float_out=True)
         if last_only:
             return self.tp.all_gather_last(last)
-        logits = linear(h, self.lm_head_weight, widen=True)
+        logits = linear(h, self.lm_head_weight, float_out=True)
         logits[:, -1] = last        # as a decode step computes it: the same whether or not the others are asked for
         return self.tp.all_gather_last(logits)
 

@@ -67,17 +67,17 @@ def fused_decode(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
 
 
-def _rows_out(x: torch.Tensor, n: int, widen: bool = False) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], n, dtype=torch.float32 if widen else x.dtype)
+def _rows_out(x: torch.Tensor, n: int, float_out: bool = False) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], n, dtype=torch.float32 if float_out else x.dtype)
 
 
 def _register_shapes(ns: str) -> None:
     """Output shapes and dtypes of each operator, for tracing (torch.compile) without running it."""
     def fake(op: str):
         return torch.library.register_fake(f"{ns}::{op}")
-    fake("gemv")(lambda x, W, widen=False: _rows_out(x, W.shape[0], widen))
-    fake("gemv_q8")(lambda x, q, scales, widen=False: _rows_out(x, q.shape[0], widen))
-    fake("gemv_mxfp4")(lambda x, packed, scales, widen=False: _rows_out(x, packed.shape[0], widen))
+    fake("gemv")(lambda x, W, float_out=False: _rows_out(x, W.shape[0], float_out))
+    fake("gemv_q8")(lambda x, q, scales, float_out=False: _rows_out(x, q.shape[0], float_out))
+    fake("gemv_mxfp4")(lambda x, packed, scales, float_out=False: _rows_out(x, packed.shape[0], float_out))
     fake("rms_norm")(lambda x, weight, eps: torch.empty_like(x, memory_format=torch.contiguous_format))
     fake("argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
     fake("kda_decode_step")(lambda proj, conv, taps, f_a, f_b, dt_bias, decay, lower_bound, beta_logit, g, g_b,
