@@ -163,7 +163,6 @@ def test_a_compiled_server_serves_concurrent_requests(tiny_dir):
     assert "compiling the" not in log and "Recompiling" not in log
 
 
-
 def test_compiled_graphs_are_cached_per_vector_isa(tmp_path):
     """Inductor's graph cache does not key on the vector ISA: AVX-512 loops read back under AVX2 computed NaNs. The
     default directory (replacing the one torch sets when torch._dynamo is imported) differs when torch is told to use

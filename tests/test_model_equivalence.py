@@ -74,8 +74,7 @@ def test_prefill_experts_sum_as_one_index_add_per_expert(tiny_dir, dtype):
     expert's weighted results rounded to the activation dtype and added to its tokens in ascending expert order."""
     from deltaserve.layers.moe import route
     # 4 experts a token: with 2, one rounding of their sum is all either way
-    llm = LLM(tiny_dir, dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype], enforce_eager=True,
-              hf_overrides={"num_experts_per_token": 4})
+    llm = LLM(tiny_dir, dtype=dtype, enforce_eager=True, hf_overrides={"num_experts_per_token": 4})
     moe = next(m for m in llm.runner.model.modules() if type(m).__name__ == "MoE")
     h = torch.randn(100, moe.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     ids, weights = route(h, moe.gate_weight, moe.e_score_correction_bias, moe.cfg)

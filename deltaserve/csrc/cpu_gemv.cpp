@@ -430,12 +430,12 @@ void with_rows(int64_t m, F&& f) {
   }
 }
 
-// f(c0, c1) over [0, N) in chunks of `grain` rows, on torch's threads: each thread takes the chunks of its own share in
-// order, then any a slower thread (a descheduled vCPU, a late start) has not begun, so none waits out another's share.
-// Which thread computes a chunk never changes its result.
+// f(c0, c1) over [0, N) on torch's threads, in chunks of about an eighth of a thread's share (`grain` rows at least):
+// each thread takes the chunks of its own share in order, then any a slower thread (a descheduled vCPU, a late start)
+// has not begun, so none waits out another's share. Which thread computes a chunk never changes its result.
 template <typename F>
 void balanced_for(int64_t N, int64_t grain, F&& f) {
-  grain = std::max<int64_t>(grain, 1);
+  grain = std::max<int64_t>({grain, 1, N / (8 * at::get_num_threads())});
   const int64_t chunks = (N + grain - 1) / grain;
   const int threads = std::min<int64_t>(at::get_num_threads(), chunks);
   if (threads <= 1) {
@@ -460,7 +460,7 @@ void balanced_for(int64_t N, int64_t grain, F&& f) {
 
 template <template <int> class Rows, typename... Args>
 void by_rows(int64_t M, int64_t N, int64_t grain, Args... args) {
-  balanced_for(N, std::max(grain, N / (8 * at::get_num_threads())), [&](int64_t n0, int64_t n1) {
+  balanced_for(N, grain, [&](int64_t n0, int64_t n1) {
     with_rows(M, [&](auto m) { Rows<decltype(m)::value>::run(args..., n0, n1); });
   });
 }
@@ -789,7 +789,7 @@ torch::Tensor kda_step_typed(const KdaArgs& a, const torch::Tensor& proj, torch:
   const Inputs fx(f_a, f_b[0]);
   const std::optional<Inputs> gx = g_b.empty() ? std::nullopt : std::optional<Inputs>(std::in_place, g, g_b[0]);
   const int64_t K = a.K, HK = a.H * K, g_stride = g.stride(0);
-  at::parallel_for(0, a.B * a.H, 1, [&](int64_t t0, int64_t t1) {     // scratch buffers once per thread
+  at::parallel_for(0, a.B * a.H, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> rows(HK), f(K), z(K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / a.H, h = t % a.H;
@@ -869,7 +869,7 @@ torch::Tensor experts_product(const WeightSets& w, const std::vector<Group>& gro
   auto y = torch::empty({x.rows(), N}, torch::kFloat);
   float* out = y.data_ptr<float>();
   const int64_t G = groups.size();
-  balanced_for(G * N, std::max<int64_t>(16, G * N / (8 * at::get_num_threads())), [&](int64_t t0, int64_t t1) {
+  balanced_for(G * N, 16, [&](int64_t t0, int64_t t1) {
     while (t0 < t1) {                       // split the range at group boundaries
       const Group& g = groups[t0 / N];
       const int64_t n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
