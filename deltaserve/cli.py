@@ -92,7 +92,7 @@ def add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--tensor-parallel-size", type=integer(1), default=1,
                    help="ranks (processes) sharing the model; gloo on CPU, NCCL on CUDA; torchrun for several hosts")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run eagerly (by default a CPU compiles the decode step and prefill chunks with torch.compile "
+                   help="run eagerly (by default a CPU compiles the decode step with torch.compile "
                         "during warmup; compiled graphs are cached under ~/.cache/deltaserve/inductor/<vector ISA>)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="decode one sequence per forward, so a sequence's logits never depend on what else is "

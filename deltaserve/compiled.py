@@ -1,21 +1,19 @@
-"""The compiled model on a CPU (torch.compile, inductor): the decode step of 1..8 sequences, and the part of a
-chunked KDA prefill that is parallel over chunks. Each runs through two graphs, one for a single row (one sequence,
-or one chunk) and one for 2..8 sequences or 2+ chunks (that dimension symbolic), compiled at its first use; the
-engine's warmup uses all four, so a server never compiles while a request waits.
+"""The compiled model on a CPU (torch.compile, inductor): the decode step of 1..8 sequences, through two graphs, one
+for a single sequence and one for 2..8 (that dimension symbolic), compiled at first use; the engine's warmup uses
+both, so a server never compiles while a request waits. (Prefill runs eagerly: its time is in large matrix products
+and in the KDA chunk kernel, csrc/cpu_gemv.cpp.)
 
 Decode compiles to the model's own operators (the kernels of csrc/cpu_gemv.cpp, registered with torch) called from
 one generated C++ function, with the small ops between them fused into inductor's C++ loops; the per-module Python
 of an eager step is gone. No shape depends on the slots or the sequence lengths: the kernels read and write the
-state pool in place by slot index (state.py `slot_ids`, `positions`). The prefill part (ops/delta_rule.py
-`chunk_prepare`) fuses the intra-chunk decay products, which eagerly take several passes over [C, C, K] tensors.
-Roundings follow eager (inductor's `emulate_precision_casts`): bf16 decode logits equal eager's bit for bit at
-batch 1 where bf16 products are widened to fp32 (CPUs without bf16 arithmetic), else within one bf16 rounding.
+state pool in place by slot index (state.py `slot_ids`, `positions`). Roundings follow eager (inductor's
+`emulate_precision_casts`): bf16 decode logits equal eager's bit for bit at batch 1 where bf16 products are widened
+to fp32 (CPUs without bf16 arithmetic), else within one bf16 rounding.
 Compiled graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, default ~/.cache/deltaserve/inductor/<ISA>),
 so a restart redoes only the Python-level trace. Off with `enforce_eager`.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import sys
@@ -27,7 +25,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .ops import delta_rule
 from .ops.cpu_kernels import MAX_ROWS, kernels
 from .state import StateView
 
@@ -35,10 +32,6 @@ from .state import StateView
 def enforce_eager_default() -> bool:
     """`enforce_eager` when not given: the DELTASERVE_ENFORCE_EAGER environment variable (1: eager)."""
     return os.environ.get("DELTASERVE_ENFORCE_EAGER", "0") == "1"
-
-
-MAX_CHUNKS = 1 << 16        # bound of the symbolic chunk count (the engine's: prefill_tokens / chunk_size)
-GRAPHS_PER_PROCESS = 64    # dynamo's cache entries per code object: the prefill part's are shared by every model
 
 
 def can_compile(model: nn.Module) -> bool:
@@ -60,10 +53,10 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 class Compiled:
     """`fn` through torch.compile, one graph per key the caller gives (which shapes it covers), compiled at the key's
-    first call; a key whose compile fails is reported once and then returns None, so the caller runs eagerly.
-    `fixed_modules`: the nn.Modules `fn` reads never change once compiled, so their guards are dropped."""
+    first call; a key whose compile fails is reported once and then returns None, so the caller runs eagerly. The
+    nn.Modules `fn` reads must never change once compiled: their guards are dropped."""
 
-    def __init__(self, what: str, fn: Callable[..., Any], fixed_modules: bool = False):
+    def __init__(self, what: str, fn: Callable[..., Any]):
         self.what = what
         # cpp_wrapper: the generated code calls its kernels from C++, not Python (decode measured 13-23% faster than
         # eager on bench-s, vs 7-10% with inductor's Python wrapper). No size asserts: the C++ wrapper checks every
@@ -72,7 +65,7 @@ class Compiled:
         options = {"emulate_precision_casts": True, "cpp_wrapper": True,
                    "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
         skip_modules = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)    # torch >= 2.8
-        if fixed_modules and skip_modules is not None:
+        if skip_modules is not None:
             # a decode step's guards were 1,084 checks, 880 of them on the model's modules and weights, evaluated
             # before every step; the inputs' guards (which graph: 1 row or 2..8) stay
             options["guard_filter_fn"] = skip_modules
@@ -134,21 +127,14 @@ def configure_inductor() -> None:
 
 
 class CompiledModel:
-    """The compiled parts of one model: `decode` (the model's forward for one new token per row) and `prefill`
-    (chunk_prepare, installed into the model's CPU chunk kernels)."""
+    """The compiled decode step of one model (its forward for one new token per row)."""
 
     def __init__(self, model: nn.Module):
         configure_inductor()
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_PROCESS)
         def decode(tokens: torch.Tensor, state: StateView) -> torch.Tensor:
             return model(tokens, state, last_only=True)
         # this model's own graphs: the model is fixed once loaded, so its guards are dropped
-        self.decode = Compiled("decode step", own_code(decode), fixed_modules=True)
-        self.prefill = Compiled("prefill chunk", delta_rule.chunk_prepare)
-        for module in model.modules():            # the CPU chunk kernel (ops/kda.py) takes the compiled part
-            kernel = getattr(module, "chunk_kernel", None)
-            if isinstance(kernel, functools.partial) and kernel.func is delta_rule.chunk_kda:
-                module.chunk_kernel = functools.partial(kernel, prepare=self.chunk_prepare)
+        self.decode = Compiled("decode step", own_code(decode))
 
     def decodes(self, tokens: torch.Tensor) -> bool:
         return tokens.shape[1] == 1 and tokens.shape[0] <= MAX_ROWS
@@ -158,14 +144,7 @@ class CompiledModel:
         key = _symbolic((tokens, state.slot_ids, state.positions), 0, tokens.shape[0], MAX_ROWS)
         return self.decode(key, tokens, state)
 
-    def chunk_prepare(self, *chunks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        chunks = tuple(c.contiguous() for c in chunks)       # one layout whatever the prompt length: no guard fails
-        key = _symbolic(chunks, 2, chunks[0].shape[2], MAX_CHUNKS)     # [B, H, n, C, *]: n chunks
-        out = self.prefill(key, *chunks)
-        return out if out is not None else delta_rule.chunk_prepare(*chunks)
-
     @property
     def compile_times(self) -> dict[str, float]:
         """Seconds each compiled graph's first call took, by name."""
-        return {f"{c.what} ({'1' if key == 1 else '2+'})": t for c in (self.decode, self.prefill)
-                for key, t in c.compile_seconds.items()}
+        return {f"decode step ({'1' if key == 1 else '2+'})": t for key, t in self.decode.compile_seconds.items()}

@@ -110,13 +110,13 @@ def make_runner(load: LoadConfig, num_slots: int, max_len: int, init_method: str
 class LLM:
     """Load a checkpoint and generate. Calls on one LLM share its prefix cache.
 
-    `enforce_eager` (vLLM's name): never compile the decode step and prefill chunks (compiled.py). Unset, it is on
+    `enforce_eager` (vLLM's name): never compile the decode step (compiled.py). Unset, it is on
     when the DELTASERVE_ENFORCE_EAGER environment variable is 1. `warmup` also compiles every graph now, rather than
     at each one's first use."""
 
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                  chunk_size: int = 64, hf_overrides: dict[str, Any] | None = None, max_num_seqs: int = 8,
-                 prefill_tokens: int = 256, prefix_cache_bytes: int = 1 << 30, warmup: bool = False,
+                 prefill_tokens: int = 512, prefix_cache_bytes: int = 1 << 30, warmup: bool = False,
                  progress: bool | None = None, tensor_parallel_size: int = 1, quantization: str | None = None,
                  batch_invariant: bool = False, enforce_eager: bool | None = None):
         load = LoadConfig(str(model), dtype, device, chunk_size, hf_overrides, quantization)

@@ -20,8 +20,8 @@ class ModelFailure(RuntimeError):
 class ModelRunner:
     def __init__(self, model: nn.Module, num_slots: int, max_len: int, compile: bool = False):
         """`model`: a registered family's model (models/spec.py): forward(tokens, state, last_only), state_spec().
-        `compile`: on a CPU, decode steps of 1..8 sequences and KDA prefill chunks through torch.compile where it
-        applies (compiled.py); on CUDA, decode steps of 1..8 sequences as CUDA graphs (cuda_graphs.py)."""
+        `compile`: on a CPU, decode steps of 1..8 sequences through torch.compile where it applies (compiled.py); on
+        CUDA, decode steps of 1..8 sequences as CUDA graphs (cuda_graphs.py)."""
         self.model, self.cfg = model, model.cfg
         self.compiled = CompiledModel(model) if compile and can_compile(model) else None
         self.chunk_size = model.chunk_size

@@ -134,7 +134,7 @@ def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, dtype, gates):
 
 @pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                      (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("H", [4, 19])          # 19: heads in groups of 16, 8 and 1 (context) and 8 and 1 (scores)
+@pytest.mark.parametrize("H", [1, 4, 8, 19])    # context tiles of 1, 4, 8, 16 + 1 heads (AVX-512); scores 8 + 1
 def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype, H):
     """The MLA decode kernel (fold W_UK into the query, write the new latent in place, attend over the slot's own
     length, apply W_UV) vs the op-by-op absorbed attention over the gathered cache with its mask, for rows of

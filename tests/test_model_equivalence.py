@@ -3,8 +3,19 @@ import pytest
 import torch
 
 from deltaserve import LLM
-from deltaserve.ops.delta_rule import chunk_kda, fused_recurrent_kda, l2norm
+from deltaserve.ops.cpu_kernels import kernels
+from deltaserve.ops.delta_rule import chunk_kda, chunk_prepare, fused_recurrent_kda, l2norm
 from deltaserve.state import StatePool
+
+
+def kernel_prepare(*chunks):
+    return tuple(kernels().kda_chunk_prepare(*(c.contiguous() for c in chunks)))
+
+
+# the chunk-parallel part of chunked KDA: the PyTorch form, and the CPU kernel (ops/kda.py's choice on a CPU)
+PREPARES = [pytest.param(chunk_prepare, id="torch"),
+            pytest.param(kernel_prepare, id="cpu-kernel", marks=pytest.mark.skipif(
+                kernels() is None, reason="needs the CPU kernels (x86 with AVX2 or AVX-512 and a C++ compiler)"))]
 
 
 @pytest.fixture(scope="module")
@@ -26,29 +37,31 @@ def test_prefill_then_decode_equals_full_forward(llm):
     assert (torch.cat(stepwise) - full).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("prepare", PREPARES)
 @pytest.mark.parametrize("T", [1, 5, 64, 100, 129])
-def test_chunked_delta_rule_equals_recurrent(T):
+def test_chunked_delta_rule_equals_recurrent(T, prepare):
     g = torch.Generator().manual_seed(T)
-    B, H, K, V = 2, 3, 16, 8
+    B, H, K, V = 2, 3, 16, 32
     q, k = l2norm(torch.randn(B, T, H, K, generator=g)), l2norm(torch.randn(B, T, H, K, generator=g))
     v = torch.randn(B, T, H, V, generator=g)
     decay = -torch.rand(B, T, H, K, generator=g) * 4
     beta = torch.rand(B, T, H, generator=g)
     s0 = torch.randn(B, H, K, V, generator=g)
     o_rec, s_rec = fused_recurrent_kda(q, k, v, decay, beta, K ** -0.5, s0.clone())
-    for chunk in (16, 64):
-        o, s = chunk_kda(q, k, v, decay, beta, K ** -0.5, s0, chunk)
+    for chunk in (16, 24, 64):             # 24: no sub-chunks of 16, the chunk is one block
+        o, s = chunk_kda(q, k, v, decay, beta, K ** -0.5, s0, chunk, prepare)
         assert (o - o_rec).abs().max() <= 1e-5 and (s - s_rec).abs().max() <= 1e-5
 
 
-def test_chunked_delta_rule_is_stable_under_strong_decay():
+@pytest.mark.parametrize("prepare", PREPARES)
+def test_chunked_delta_rule_is_stable_under_strong_decay(prepare):
     """exp(-cumulative decay) overflows float32 here; the pairwise form must not."""
     g = torch.Generator().manual_seed(0)
-    q, k = l2norm(torch.randn(1, 64, 2, 8, generator=g)), l2norm(torch.randn(1, 64, 2, 8, generator=g))
-    v, beta, s0 = torch.randn(1, 64, 2, 8, generator=g), torch.rand(1, 64, 2, generator=g), torch.zeros(1, 2, 8, 8)
-    decay = torch.full((1, 64, 2, 8), -50.0)
-    o, s = chunk_kda(q, k, v, decay, beta, 8 ** -0.5, s0, 64)
-    o_rec, _ = fused_recurrent_kda(q, k, v, decay, beta, 8 ** -0.5, s0.clone())
+    q, k = l2norm(torch.randn(1, 64, 2, 16, generator=g)), l2norm(torch.randn(1, 64, 2, 16, generator=g))
+    v, beta, s0 = torch.randn(1, 64, 2, 16, generator=g), torch.rand(1, 64, 2, generator=g), torch.zeros(1, 2, 16, 16)
+    decay = torch.full((1, 64, 2, 16), -50.0)
+    o, s = chunk_kda(q, k, v, decay, beta, 16 ** -0.5, s0, 64, prepare)
+    o_rec, _ = fused_recurrent_kda(q, k, v, decay, beta, 16 ** -0.5, s0.clone())
     assert torch.isfinite(o).all() and (o - o_rec).abs().max() <= 1e-5
 
 

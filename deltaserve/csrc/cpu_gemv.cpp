@@ -960,13 +960,13 @@ inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<cons
 inline const float* raw(const float* p) { return p; }
 
 // Query heads a score tile holds and cache rows it reads at once (each row load serves G heads, each query load J
-// rows), and heads a context task sums: as many as the registers hold (AVX2: 16 ymm, AVX-512: 32 zmm).
-constexpr int kScoreHeads = kAvx512 ? 8 : 4, kScoreRows = kAvx512 ? 3 : 1, kContextHeads = kAvx512 ? 16 : 4;
+// rows), and context accumulators a task keeps in registers (AVX2: 16 ymm, AVX-512: 32 zmm).
+constexpr int kScoreHeads = kAvx512 ? 8 : 4, kScoreRows = kAvx512 ? 3 : 1, kContextVecs = kAvx512 ? 16 : 4;
 
-// out[j * H + g] = q[g] . rows[j] for G query rows (heads, C apart) and J cache rows. Each sum is 16 lane-wise FMA
-// chains over the columns, reduced, then the scalar tail: the same for every G and J.
+// out[g * stride + j] = q[g] . rows[j] for G query rows (heads, C apart) and J cache rows. Each sum is 16 lane-wise
+// FMA chains over the columns, reduced, then the scalar tail: the same for every G and J.
 template <typename CT, int G, int J>
-void score_tile(const float* q, int64_t C, const CT* const* rows, float* out, int64_t H) {
+void score_tile(const float* q, int64_t C, const CT* const* rows, float* out, int64_t stride) {
   V16 acc[G][J];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < J; ++j) acc[g][j] = zero();
@@ -983,43 +983,51 @@ void score_tile(const float* q, int64_t C, const CT* const* rows, float* out, in
     for (int j = 0; j < J; ++j) {
       float sum = hsum(acc[g][j]);
       for (int64_t k = c; k < C; ++k) sum += q[g * C + k] * to_float(rows[j][k]);
-      out[j * H + g] = sum;
+      out[g * stride + j] = sum;
     }
 }
 
 template <typename CT, int J>
-void score_rows(const float* q, int64_t H, int64_t C, const CT* const* rows, float* out) {
+void score_rows(const float* q, int64_t H, int64_t C, const CT* const* rows, float* out, int64_t stride) {
   int64_t h = 0;
-  for (; h + kScoreHeads <= H; h += kScoreHeads) score_tile<CT, kScoreHeads, J>(q + h * C, C, rows, out + h, H);
+  for (; h + kScoreHeads <= H; h += kScoreHeads)
+    score_tile<CT, kScoreHeads, J>(q + h * C, C, rows, out + h * stride, stride);
   if constexpr (kScoreHeads > 4)
-    for (; h + 4 <= H; h += 4) score_tile<CT, 4, J>(q + h * C, C, rows, out + h, H);
-  for (; h < H; ++h) score_tile<CT, 1, J>(q + h * C, C, rows, out + h, H);
+    for (; h + 4 <= H; h += 4) score_tile<CT, 4, J>(q + h * C, C, rows, out + h * stride, stride);
+  for (; h < H; ++h) score_tile<CT, 1, J>(q + h * C, C, rows, out + h * stride, stride);
 }
 
-// out[g][c0 + k] = sum_j p[j * H + g] row_j[c0 + k] for G heads and n <= 16 columns, summed over j in order.
-template <typename QT, typename CT, int G>
-void context_heads(const float* p, int64_t H, int64_t L, const CT* rows, int64_t C, int64_t c0, int64_t n, QT* out,
+// out[g][c0 + k] = sum_j p[g * Lp + j] row_j[c0 + k] for G heads and n <= 16 NC columns, summed over j in order. A
+// task reads 16 NC consecutive floats of each row (rows are C apart), so the cache streams in runs, not single lines.
+template <typename QT, typename CT, int G, int NC>
+void context_heads(const float* p, int64_t Lp, int64_t L, const CT* rows, int64_t C, int64_t c0, int64_t n, QT* out,
                    int64_t rank) {
-  V16 acc[G];
-  for (int g = 0; g < G; ++g) acc[g] = zero();
-  alignas(64) float part[16] = {}, sums[16];
+  V16 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NC; ++i) acc[g][i] = zero();
+  alignas(64) float part[16 * NC] = {}, sums[16];
+  constexpr int64_t kLine = 64 / sizeof(CT);
   for (int64_t j = 0; j < L; ++j) {
     const CT* row = rows + j * C + c0;
-    _mm_prefetch((const char*)(row + 16 * C), _MM_HINT_T0);    // rows are C apart: ahead of the hardware's guess
-    V16 v;
-    if (n == 16) {
-      v = load(raw(row));
+    for (int64_t k = 0; k < 16 * NC; k += kLine)      // rows are C apart: ahead of the hardware's guess
+      _mm_prefetch((const char*)(row + 16 * C + k), _MM_HINT_T0);
+    V16 v[NC];
+    if (n == 16 * NC) {
+      for (int i = 0; i < NC; ++i) v[i] = load(raw(row + 16 * i));
     } else {                                       // a last partial block: lanes past n stay zero
       for (int64_t k = 0; k < n; ++k) part[k] = to_float(row[k]);
-      v = load(part);
+      for (int i = 0; i < NC; ++i) v[i] = load(part + 16 * i);
     }
-    const float* pj = p + j * H;
-    for (int g = 0; g < G; ++g) acc[g] = fma(set1(pj[g]), v, acc[g]);
+    for (int g = 0; g < G; ++g) {
+      const V16 pg = set1(p[g * Lp + j]);
+      for (int i = 0; i < NC; ++i) acc[g][i] = fma(pg, v[i], acc[g][i]);
+    }
   }
-  for (int g = 0; g < G; ++g) {
-    store(sums, acc[g]);
-    for (int64_t k = 0; k < n; ++k) out[g * rank + c0 + k] = QT(sums[k]);
-  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NC && 16 * i < n; ++i) {
+      store(sums, acc[g][i]);
+      for (int64_t k = 0; k < std::min<int64_t>(16, n - 16 * i); ++k) out[g * rank + c0 + 16 * i + k] = QT(sums[k]);
+    }
 }
 
 template <typename QT, typename CT>
@@ -1033,7 +1041,8 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
   }
   auto row_of = [&](int64_t b, int64_t j) -> const CT* { return cache + slots[b] * slot_stride + j * C; };
   std::vector<float> q(B * H * C);                   // queries in fp32
-  std::unique_ptr<float[]> p(new float[B * Lmax * H]);      // scores, then probabilities [B, Lmax, H]
+  const int64_t Lp = (Lmax + 15) / 16 * 16;
+  std::unique_ptr<float[]> p(new float[B * H * Lp]);      // scores, then probabilities [B, H, Lp]
   for (int64_t i = 0; i < B * H * C; ++i) q[i] = to_float(query[i]);
   // scores: a task is 16 positions of one row, every head; kScoreRows cache rows at a time share each query load
   constexpr int64_t kBlock = 16;
@@ -1046,56 +1055,66 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
       for (; j + kScoreRows <= j1; j += kScoreRows) {
         const CT* rows[kScoreRows];
         for (int i = 0; i < kScoreRows; ++i) rows[i] = row_of(b, j + i);
-        score_rows<CT, kScoreRows>(&q[b * H * C], H, C, rows, &p[(b * Lmax + j) * H]);
+        score_rows<CT, kScoreRows>(&q[b * H * C], H, C, rows, &p[b * H * Lp + j], Lp);
       }
       for (; j < j1; ++j) {
         const CT* rows[1] = {row_of(b, j)};
-        score_rows<CT, 1>(&q[b * H * C], H, C, rows, &p[(b * Lmax + j) * H]);
+        score_rows<CT, 1>(&q[b * H * C], H, C, rows, &p[b * H * Lp + j], Lp);
       }
-      for (int64_t i = j0 * H; i < j1 * H; i += 16) {      // rounded to the query's dtype, scaled in it
-        float* s = &p[b * Lmax * H + i];
-        const int64_t n = j1 * H - i;
-        store_n(s, n, round_vec<QT>(round_vec<QT>(load_n(s, n)) * scale_v));
+      for (int64_t h = 0; h < H; ++h) {                     // rounded to the query's dtype, scaled in it
+        float* s = &p[(b * H + h) * Lp + j0];
+        store_n(s, j1 - j0, round_vec<QT>(round_vec<QT>(load_n(s, j1 - j0)) * scale_v));
       }
     }
   });
-  // softmax over each row's positions as torch computes it, exp(x - max) * (1 / sum); 16 heads to a vector
-  const int64_t head_vecs = (H + 15) / 16;
-  at::parallel_for(0, B * head_vecs, 1, [&](int64_t t0, int64_t t1) {
+  // softmax over each row's positions for each head as torch computes it, exp(x - max) * (1 / sum); a head's scores
+  // are contiguous, 16 positions to a vector
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / head_vecs, h0 = t % head_vecs * 16, L = positions[b] + 1, n = H - h0;
-      float* s = &p[b * Lmax * H + h0];
+      const int64_t L = positions[t / H] + 1, full = L / 16 * 16, n = L - full;
+      float* s = &p[t * Lp];
       V16 top = set1(-INFINITY), sum = zero();
-      for (int64_t j = 0; j < L; ++j) top = vmax(top, load_n(s + j * H, n));
-      for (int64_t j = 0; j < L; ++j) {
-        const V16 e = exp16(load_n(s + j * H, n) - top);
-        store_n(s + j * H, n, e);
+      for (int64_t j = 0; j < full; j += 16) top = vmax(top, load(s + j));
+      float best = hmax(top);
+      for (int64_t j = full; j < L; ++j) best = std::max(best, s[j]);
+      top = set1(best);
+      for (int64_t j = 0; j < full; j += 16) {
+        const V16 e = exp16(load(s + j) - top);
+        store(s + j, e);
         sum = sum + e;
       }
-      const V16 inv = set1(1.f) / sum;
-      for (int64_t j = 0; j < L; ++j) store_n(s + j * H, n, round_vec<QT>(load_n(s + j * H, n) * inv));
+      if (n) {                                       // the last partial vector: lanes past n add nothing
+        store_n(s + full, n, exp16(load_n(s + full, n) - top));
+        sum = sum + load_n(s + full, n);
+      }
+      const V16 inv = set1(1.f / hsum(sum));
+      for (int64_t j = 0; j < L; j += 16) store_n(s + j, L - j, round_vec<QT>(load_n(s + j, L - j) * inv));
     }
   });
-  // context: a task is 16 latent columns of one row for up to kContextHeads heads (accumulators in registers)
-  const int64_t col_blocks = (rank + kBlock - 1) / kBlock, head_groups = (H + kContextHeads - 1) / kContextHeads;
-  at::parallel_for(0, B * col_blocks * head_groups, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (col_blocks * head_groups), c0 = t / head_groups % col_blocks * kBlock;
-      const int64_t n = std::min(kBlock, rank - c0), L = positions[b] + 1;
-      int64_t h = t % head_groups * kContextHeads;
-      const int64_t h1 = std::min<int64_t>(h + kContextHeads, H);
-      const float* pb = &p[b * Lmax * H];
-      QT* ob = out + b * H * rank;
-      const CT* rows = row_of(b, 0);
-      auto heads = [&](auto group) {
-        constexpr int G = decltype(group)::value;
-        if constexpr (G <= kContextHeads)
-          for (; h + G <= h1; h += G) context_heads<QT, CT, G>(pb + h, H, L, rows, C, c0, n, ob + h * rank, rank);
-      };
-      heads(std::integral_constant<int, 16>{}), heads(std::integral_constant<int, 8>{});
-      heads(std::integral_constant<int, 4>{}), heads(std::integral_constant<int, 1>{});
-    }
-  });
+  // context: a task is G heads (the most of 16, 8, 4, 2, 1 that H allows, within the register budget) by 16 NC latent
+  // columns of one row, NC the vectors of accumulators the budget leaves each head
+  auto context = [&](auto group) {
+    constexpr int G = decltype(group)::value, NC = kContextVecs / G;
+    const int64_t width = 16 * NC, col_blocks = (rank + width - 1) / width, head_groups = (H + G - 1) / G;
+    at::parallel_for(0, B * col_blocks * head_groups, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / (col_blocks * head_groups), c0 = t / head_groups % col_blocks * width;
+        const int64_t n = std::min(width, rank - c0), L = positions[b] + 1;
+        int64_t h = t % head_groups * G;
+        const int64_t h1 = std::min<int64_t>(h + G, H);
+        const float* pb = &p[b * H * Lp];
+        const CT* rows = row_of(b, 0);
+        QT* ob = out + b * H * rank;
+        for (; h + G <= h1; h += G) context_heads<QT, CT, G, NC>(pb + h * Lp, Lp, L, rows, C, c0, n, ob + h * rank, rank);
+        for (; h < h1; ++h) context_heads<QT, CT, 1, NC>(pb + h * Lp, Lp, L, rows, C, c0, n, ob + h * rank, rank);
+      }
+    });
+  };
+  if (kAvx512 && H >= 16) context(std::integral_constant<int, kAvx512 ? 16 : 1>{});
+  else if (kAvx512 && H >= 8) context(std::integral_constant<int, kAvx512 ? 8 : 1>{});
+  else if (H >= 4) context(std::integral_constant<int, 4>{});
+  else if (H >= 2) context(std::integral_constant<int, 2>{});
+  else context(std::integral_constant<int, 1>{});
 }
 }  // namespace
 
@@ -1176,6 +1195,209 @@ torch::Tensor mla_decode(const torch::Tensor& q, const torch::Tensor& w_uk, cons
   else if (ct == torch::kFloat) run(at::BFloat16{}, float{});
   else run(at::BFloat16{}, at::BFloat16{});
   return out;
+}
+
+// The inputs of chunked KDA for a prefill, from its projections, in the layout chunk_prepare takes ([B, H, n, C, *],
+// rows past T zero), one chunk of one head a task, as layers/kda.py computes them op by op: the causal depthwise
+// conv over the window [carried W-1 inputs | T new ones] (fp32, taps [W, 3P]), SiLU rounded to the activations'
+// dtype, q and k L2-normalised (then q scaled), v; the log-decay from the forget-gate input f + dt_bias; beta =
+// sigmoid of its logit. Replaces a conv, a dozen elementwise ops and the copies into chunks (bench-s: ~5 of a KDA
+// layer's 10 ms a 512-token chunk).
+namespace {
+template <typename T>
+void chunk_inputs_typed(const torch::Tensor& window, const torch::Tensor& taps, const torch::Tensor& f,
+                        const float* dt_bias, const float* decay, float lower_bound, bool per_channel,
+                        const torch::Tensor& beta_logit, float scale, int64_t C, std::vector<torch::Tensor>& out) {
+  const int64_t B = f.size(0), T_ = f.size(1), H = beta_logit.size(2), P = f.size(2), K = P / H, W = taps.size(0);
+  const int64_t n = (T_ + C - 1) / C;
+  const T* win = window.data_ptr<T>();
+  const T* fp = f.data_ptr<T>();
+  const T* bp = beta_logit.data_ptr<T>();
+  const float* tp = taps.data_ptr<float>();
+  float *q = out[0].data_ptr<float>(), *k = out[1].data_ptr<float>(), *v = out[2].data_ptr<float>();
+  float *g = out[3].data_ptr<float>(), *beta = out[4].data_ptr<float>();
+  const int64_t ws0 = window.stride(0), ws1 = window.stride(1), fs0 = f.stride(0), fs1 = f.stride(1);
+  const int64_t bs0 = beta_logit.stride(0), bs1 = beta_logit.stride(1);
+  at::parallel_for(0, B * H * n, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> x(3 * K);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / (H * n), h = task / n % H, c = task % n;
+      for (int64_t r = 0; r < C; ++r) {
+        const int64_t t = c * C + r, row = task * C + r, at = row * K;
+        if (t >= T_) {
+          std::fill(q + at, q + at + K, 0.f), std::fill(k + at, k + at + K, 0.f), std::fill(v + at, v + at + K, 0.f);
+          std::fill(g + at, g + at + K, 0.f), beta[row] = 0.f;
+          continue;
+        }
+        for (int part = 0; part < 3; ++part)
+          for (int64_t i = 0; i < K; i += 16) {
+            const int64_t ch = part * P + h * K + i;
+            V16 acc = zero();
+            for (int64_t j = 0; j < W; ++j)
+              acc = fma(load(raw(win + b * ws0 + (t + j) * ws1 + ch)), load(tp + j * 3 * P + ch), acc);
+            store(&x[part * K + i], round_vec<T>(acc * sigmoid16(acc)));
+          }
+        for (int part = 0; part < 2; ++part) {             // L2 norms of q and k
+          float* y = &x[part * K];
+          V16 ss = zero();
+          for (int64_t i = 0; i < K; i += 16) ss = fma(load(y + i), load(y + i), ss);
+          const V16 inv = set1(1.f / std::sqrt(hsum(ss) + 1e-6f));
+          for (int64_t i = 0; i < K; i += 16) store(y + i, load(y + i) * inv);
+        }
+        for (int64_t i = 0; i < K; i += 16) {
+          store(q + at + i, load(&x[i]) * set1(scale));
+          store(k + at + i, load(&x[K + i]));
+          store(v + at + i, load(&x[2 * K + i]));
+          const V16 fr = load(raw(fp + b * fs0 + t * fs1 + h * K + i)) + load(dt_bias + h * K + i);
+          const V16 rate = per_channel ? load(decay + i) : set1(decay[h]);
+          store(g + at + i, lower_bound != 0.f ? set1(lower_bound) * sigmoid16(rate * fr)
+                                               : (set1(0.f) - rate) * softplus16(fr));
+        }
+        beta[row] = sigmoid(to_float(bp[b * bs0 + t * bs1 + h]));
+      }
+    }
+  });
+}
+}  // namespace
+
+std::vector<torch::Tensor> kda_chunk_inputs(const torch::Tensor& window, const torch::Tensor& taps,
+                                            const torch::Tensor& f, const torch::Tensor& dt_bias,
+                                            const torch::Tensor& decay, double lower_bound, bool per_channel,
+                                            const torch::Tensor& beta_logit, double scale, int64_t chunk) {
+  TORCH_CHECK(f.dim() == 3 && beta_logit.dim() == 3 && window.dim() == 3 && taps.dim() == 2,
+              "f [B, T, P], beta_logit [B, T, H], window [B, T + W - 1, 3P], taps [W, 3P]");
+  const int64_t B = f.size(0), T = f.size(1), P = f.size(2), H = beta_logit.size(2), W = taps.size(0);
+  TORCH_CHECK(H > 0 && P % H == 0 && (P / H) % 16 == 0, "head width must be a multiple of 16");
+  TORCH_CHECK(beta_logit.size(0) == B && beta_logit.size(1) == T && window.size(0) == B &&
+              window.size(1) == T + W - 1 && window.size(2) == 3 * P && taps.size(1) == 3 * P, "shapes disagree");
+  TORCH_CHECK(f.stride(2) == 1 && beta_logit.stride(2) == 1 && window.stride(2) == 1 && taps.is_contiguous() &&
+              taps.scalar_type() == torch::kFloat, "rows must be contiguous; taps contiguous float32");
+  TORCH_CHECK(f.scalar_type() == window.scalar_type() && beta_logit.scalar_type() == window.scalar_type() &&
+              (f.scalar_type() == torch::kFloat || f.scalar_type() == torch::kBFloat16),
+              "f, beta_logit and window in one dtype, float32 or bfloat16");
+  TORCH_CHECK(chunk > 0 && T > 0, "chunk and T must be positive");
+  const int64_t K = P / H;
+  TORCH_CHECK(decay.numel() == (per_channel ? K : H), "decay rates: one per ", per_channel ? "key channel" : "head");
+  const int64_t n = (T + chunk - 1) / chunk;
+  const auto opts = f.options().dtype(torch::kFloat);
+  std::vector<torch::Tensor> out;
+  for (int i = 0; i < 4; ++i) out.push_back(torch::empty({B, H, n, chunk, K}, opts));
+  out.push_back(torch::empty({B, H, n, chunk}, opts));
+  const auto dt = dt_bias.to(torch::kFloat).contiguous(), dec = decay.to(torch::kFloat).contiguous();
+  if (f.scalar_type() == torch::kBFloat16)
+    chunk_inputs_typed<at::BFloat16>(window, taps, f, dt.data_ptr<float>(), dec.data_ptr<float>(), float(lower_bound),
+                                     per_channel, beta_logit, float(scale), chunk, out);
+  else
+    chunk_inputs_typed<float>(window, taps, f, dt.data_ptr<float>(), dec.data_ptr<float>(), float(lower_bound),
+                              per_channel, beta_logit, float(scale), chunk, out);
+  return out;
+}
+
+// The part of chunked KDA that is parallel over chunks (ops/delta_rule.py chunk_prepare, same math), one chunk of one
+// head a task, everything in fp32 and in registers or a task's scratch: q (already scaled), k, g [.., C, K], v
+// [.., C, V], beta [.., C] -> w, u (the UT transform of beta exp(G) k and beta v), q exp(G), exp(G_last - G) k,
+// exp(G_last) [.., K, 1] and A_qk [.., C, C] (lower triangle, diagonal included), G = cumsum(g) in the chunk. The
+// intra-chunk scores go through the reference point at the end of the previous sub-chunk of 16 rows (as fla's
+// kernels do), since exp(-G) alone overflows under strong decay; only the diagonal blocks are formed pairwise. A dot
+// product of two rows is 16 lane-wise FMA chains, reduced; the triangular solve is forward substitution.
+namespace {
+inline float dot(const float* a, const float* b, int64_t K) {
+  V16 acc = zero();
+  for (int64_t d = 0; d < K; d += 16) acc = fma(load(a + d), load(b + d), acc);
+  return hsum(acc);
+}
+
+struct ChunkOut { float *w, *u, *q_decayed, *k_to_end, *end_decay, *A_qk; };
+
+void prepare_chunk(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t C,
+                   int64_t K, int64_t V, int64_t sub, const ChunkOut& o, float* scratch) {
+  float *G = scratch, *eG = G + C * K, *A_kk = eG + C * K, *rows = A_kk + C * C, *cols = rows + 2 * sub * K;
+  for (int64_t d = 0; d < K; d += 16) {               // inclusive cumulative log-decay, each column in row order
+    V16 run = zero();
+    for (int64_t r = 0; r < C; ++r) {
+      run = run + load(g + r * K + d);
+      store(G + r * K + d, run);
+      store(eG + r * K + d, exp16(run));
+    }
+  }
+  std::fill(A_kk, A_kk + C * C, 0.f);
+  std::fill(o.A_qk, o.A_qk + C * C, 0.f);
+  for (int64_t r0 = 0; r0 < C; r0 += sub) {
+    const float* ref = r0 ? G + (r0 - 1) * K : nullptr;    // block 0: the chunk's start, log-decay 0
+    auto rel = [&](int64_t r, int64_t d) { return ref ? load(G + r * K + d) - load(ref + d) : load(G + r * K + d); };
+    for (int64_t r = r0; r < r0 + sub; ++r)               // the block's k and q rows decayed from the reference
+      for (int64_t d = 0; d < K; d += 16) {
+        const V16 e = exp16(rel(r, d));
+        store(rows + (r - r0) * K + d, load(k + r * K + d) * e);
+        store(rows + (sub + r - r0) * K + d, load(q + r * K + d) * e);
+      }
+    for (int64_t j = 0; j < r0; ++j)                      // earlier columns decayed up to the reference
+      for (int64_t d = 0; d < K; d += 16)
+        store(cols + j * K + d, exp16(set1(0.f) - rel(j, d)) * load(k + j * K + d));
+    for (int64_t r = r0; r < r0 + sub; ++r) {
+      for (int64_t j = 0; j < r0; ++j) {
+        A_kk[r * C + j] = dot(rows + (r - r0) * K, cols + j * K, K);
+        o.A_qk[r * C + j] = dot(rows + (sub + r - r0) * K, cols + j * K, K);
+      }
+      for (int64_t j = r0; j <= r; ++j) {                 // the diagonal block, pair by pair: exp(G_r - G_j) <= 1
+        V16 kk = zero(), qk = zero();
+        for (int64_t d = 0; d < K; d += 16) {
+          const V16 pair = exp16(load(G + r * K + d) - load(G + j * K + d)) * load(k + j * K + d);
+          kk = fma(pair, load(k + r * K + d), kk);
+          qk = fma(pair, load(q + r * K + d), qk);
+        }
+        A_kk[r * C + j] = hsum(kk), o.A_qk[r * C + j] = hsum(qk);
+      }
+    }
+  }
+  // (I + tril(beta_r A_kk, -1)) [w | u] = beta [exp(G) k | v], row by row
+  for (int64_t r = 0; r < C; ++r) {
+    const V16 b = set1(beta[r]);
+    auto substitute = [&](float* x, int64_t width, auto rhs) {
+      for (int64_t d = 0; d < width; d += 16) {
+        V16 acc = b * rhs(d);
+        for (int64_t j = 0; j < r; ++j) acc = fnma(set1(beta[r] * A_kk[r * C + j]), load(x + j * width + d), acc);
+        store(x + r * width + d, acc);
+      }
+    };
+    substitute(o.w, K, [&](int64_t d) { return load(eG + r * K + d) * load(k + r * K + d); });
+    substitute(o.u, V, [&](int64_t d) { return load(v + r * V + d); });
+  }
+  const float* last = G + (C - 1) * K;
+  for (int64_t r = 0; r < C; ++r)
+    for (int64_t d = 0; d < K; d += 16) {
+      store(o.q_decayed + r * K + d, load(q + r * K + d) * load(eG + r * K + d));
+      store(o.k_to_end + r * K + d, exp16(load(last + d) - load(G + r * K + d)) * load(k + r * K + d));
+    }
+  for (int64_t d = 0; d < K; d += 16) store(o.end_decay + d, load(eG + (C - 1) * K + d));
+}
+}  // namespace
+
+std::vector<torch::Tensor> kda_chunk_prepare(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                             const torch::Tensor& g, const torch::Tensor& beta) {
+  TORCH_CHECK(k.dim() == 5, "k must be [B, H, n, C, K]");
+  const int64_t C = k.size(3), K = k.size(4), V = v.size(4), tasks = k.numel() / (C * K);
+  for (const auto* t : {&q, &k, &v, &g, &beta})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "inputs must be contiguous float32");
+  TORCH_CHECK(q.sizes() == k.sizes() && g.sizes() == k.sizes() && v.sizes().slice(0, 4) == k.sizes().slice(0, 4) &&
+              beta.sizes() == k.sizes().slice(0, 4),
+              "q, g like k [B, H, n, C, K]; v [B, H, n, C, V]; beta [B, H, n, C]");
+  TORCH_CHECK(K % 16 == 0 && V % 16 == 0 && K > 0 && V > 0, "head widths must be multiples of 16");
+  const int64_t sub = C % 16 == 0 ? 16 : C;
+  auto w = torch::empty_like(k), u = torch::empty_like(v), q_decayed = torch::empty_like(q);
+  auto k_to_end = torch::empty_like(k), A_qk = torch::empty({k.size(0), k.size(1), k.size(2), C, C}, k.options());
+  auto end_decay = torch::empty({k.size(0), k.size(1), k.size(2), K, 1}, k.options());
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(2 * C * K + C * C + 2 * sub * K + C * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const ChunkOut o{w.data_ptr<float>() + t * C * K, u.data_ptr<float>() + t * C * V,
+                       q_decayed.data_ptr<float>() + t * C * K, k_to_end.data_ptr<float>() + t * C * K,
+                       end_decay.data_ptr<float>() + t * K, A_qk.data_ptr<float>() + t * C * C};
+      prepare_chunk(q.data_ptr<float>() + t * C * K, k.data_ptr<float>() + t * C * K, v.data_ptr<float>() + t * C * V,
+                    g.data_ptr<float>() + t * C * K, beta.data_ptr<float>() + t * C, C, K, V, sub, o, scratch.data());
+    }
+  });
+  return {w, u, q_decayed, k_to_end, end_decay, A_qk};
 }
 
 // RMSNorm of a few rows as the Kimi family computes it: statistics in fp32, normalised values rounded to the input
@@ -1276,6 +1498,9 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor positions, float scale) -> Tensor");
   m.def("routed_experts(Tensor h, Tensor ids, Tensor weights, Tensor[] w13, Tensor[] w2, bool situ, float beta, "
         "float linear_beta, Tensor[] shared_gate_up, Tensor[] shared_down) -> (Tensor, Tensor)");
+  m.def("kda_chunk_inputs(Tensor window, Tensor taps, Tensor f, Tensor dt_bias, Tensor decay, float lower_bound, "
+        "bool per_channel, Tensor beta_logit, float scale, int chunk) -> Tensor[]");
+  m.def("kda_chunk_prepare(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -1286,5 +1511,7 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("argmax", &argmax);
   m.impl("kda_decode_step", &kda_decode_step);
   m.impl("routed_experts", &routed_experts);
+  m.impl("kda_chunk_inputs", &kda_chunk_inputs);
+  m.impl("kda_chunk_prepare", &kda_chunk_prepare);
   m.impl("mla_decode", &mla_decode);
 }

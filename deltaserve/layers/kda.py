@@ -15,9 +15,9 @@ from torch import nn
 from ..distributed import TP
 from ..models.kimi_config import KimiConfig
 from ..models.spec import StateSpec
-from ..ops.delta_rule import l2norm
+from ..ops.delta_rule import chunked_kda, l2norm
 from ..ops.cpu_kernels import fused_decode, kernels
-from ..ops.kda import kda_kernels
+from ..ops.kda import cpu_chunk_prepare, kda_kernels
 from ..state import StateView
 from .linear import linear, weight_parts
 from .mlp import param
@@ -86,8 +86,10 @@ class KimiDeltaAttention(nn.Module):
         self.decay_rate = a.exp() if self.per_channel else a[self.heads].exp().view(self.H, 1)
         self.taps = self.conv.float()
         self.chunk_kernel, self.recurrent_kernel = kda_kernels(self.conv.device.type, self.chunk_size)
-        self.fused_step = kernels() if fused_decode(self.conv) else None     # the decode step as one op
+        # the CPU kernels: the decode step as one op, and a prefill's chunked inputs
+        self.fused_step = kernels() if fused_decode(self.conv) else None
         self.taps_2d = self.taps.squeeze(1).contiguous()
+        self.taps_by_tap = self.taps_2d.t().contiguous()                     # [W, 3P]: the prefill kernel's
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
@@ -97,16 +99,21 @@ class KimiDeltaAttention(nn.Module):
         qkv, f_a, g, b = linear(x, self.in_proj).split([3 * self.P, K, self.split[2], H], dim=-1)
         # Causal depthwise conv over [carried W-1 inputs | new inputs], accumulated in float32.
         window = torch.cat((state.get(self.layer, "conv"), qkv), dim=1)
-        conv = F.conv1d(window.transpose(1, 2).float(), self.taps, groups=3 * self.P).transpose(1, 2)
-        qkv = F.silu(conv).to(x.dtype).view(B, T, 3, H, K)
-        qk, v = l2norm(qkv[:, :, :2].float()), qkv[:, :, 2].float()
-        f = linear(f_a, self.f_b).float().view(B, T, H, K) + self.dt_bias.view(H, K)
+        f = linear(f_a, self.f_b)
         z = (g if self.full_rank_gate else linear(g, self.g_b)).view(B, T, H, K)
-        log_decay = forget_gate(f, self.decay_rate, self.bound)              # per head and key channel
-        beta = torch.sigmoid(b.float())
-        kernel = self.recurrent_kernel if T == 1 else self.chunk_kernel     # recurrent: in place on the slot's state
-        o, recurrent = kernel(qk[:, :, 0], qk[:, :, 1], v, log_decay, beta, K ** -0.5,
-                              state.get(self.layer, "recurrent"))
+        if T > 1 and self.fused_step is not None and K % 16 == 0:      # the chunks' inputs from one CPU kernel
+            chunks = self.fused_step.kda_chunk_inputs(window, self.taps_by_tap, f, self.dt_bias, self.decay_rate,
+                                                      self.bound or 0.0, self.per_channel, b, K ** -0.5,
+                                                      self.chunk_size)
+            o, recurrent = chunked_kda(*chunks, T, state.get(self.layer, "recurrent"), cpu_chunk_prepare)
+        else:
+            conv = F.conv1d(window.transpose(1, 2).float(), self.taps, groups=3 * self.P).transpose(1, 2)
+            qkv = F.silu(conv).to(x.dtype).view(B, T, 3, H, K)
+            qk, v = l2norm(qkv[:, :, :2].float()), qkv[:, :, 2].float()
+            log_decay = forget_gate(f.float().view(B, T, H, K) + self.dt_bias.view(H, K), self.decay_rate, self.bound)
+            kernel = self.recurrent_kernel if T == 1 else self.chunk_kernel  # recurrent: in place on the slot's state
+            o, recurrent = kernel(qk[:, :, 0], qk[:, :, 1], v, log_decay, torch.sigmoid(b.float()), K ** -0.5,
+                                  state.get(self.layer, "recurrent"))
         state.put(self.layer, "conv", window[:, -(self.W - 1):])
         state.put(self.layer, "recurrent", recurrent)
         o = gated_rms_norm(o, z, self.o_norm, self.eps, self.gate_activation).to(x.dtype)

@@ -87,10 +87,9 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               scale: float, initial_state: torch.Tensor, chunk_size: int = 64,
               prepare: Callable[..., tuple[torch.Tensor, ...]] = chunk_prepare) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunks of `chunk_size` tokens: within a chunk everything is matrix algebra (the WY representation, one
-    triangular solve), done for all chunks at once by `prepare` (chunk_prepare, or a compiled copy of it); only the
-    chunk-to-chunk state hand-over is a Python loop."""
+    triangular solve), done for all chunks at once by `prepare` (chunk_prepare, or the CPU kernel of the same math);
+    only the chunk-to-chunk state hand-over is a Python loop."""
     B, T, H, K = k.shape
-    V = v.shape[-1]
     C = chunk_size
     pad = (-T) % C
     # [B, T, H, *] -> [B, H, n, C, *]; zero padding is exact: k = beta = g = 0 leaves the state untouched.
@@ -99,7 +98,15 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         if pad:
             x = torch.nn.functional.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
         return x.reshape(B, H, -1, C, *x.shape[3:])
-    w, u, q_decayed, k_to_end, end_decay, A_qk = prepare(split(q) * scale, split(k), split(v), split(g), split(beta))
+    return chunked_kda(split(q) * scale, split(k), split(v), split(g), split(beta), T, initial_state, prepare)
+
+
+def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, T: int,
+                initial_state: torch.Tensor, prepare: Callable[..., tuple[torch.Tensor, ...]] = chunk_prepare
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_kda on inputs already in chunks, [B, H, n, C, *] float32, q scaled, zero past the first T tokens."""
+    B, H, _, C, V = v.shape
+    w, u, q_decayed, k_to_end, end_decay, A_qk = prepare(q, k, v, g, beta)
     n = w.shape[2]
     state = initial_state.float().clone()
     out = torch.empty(B, H, n, C, V, dtype=torch.float32, device=k.device)
