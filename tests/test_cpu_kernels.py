@@ -1,4 +1,4 @@
-"""The CPU decode kernels equal PyTorch's products, and a row's result does not depend on the other rows."""
+"""The CPU kernels equal PyTorch's products, and a row's result does not depend on the other rows."""
 import pytest
 import torch
 
@@ -101,8 +101,9 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.parametrize("dtype,gates", [("float32", "random"), ("bfloat16", "random"), ("float32", "extreme")])
 def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, dtype, gates):
-    """KDA and MLA decode kernels (in place on the pool's slots): the same slots and states advanced both ways for a
-    few tokens of a batch of 3 (non-contiguous slots, different lengths). "extreme": forget-gate biases from -120 to
+    """KDA and MLA decode kernels (in place on the pool's slots), after prompts prefilled with and without the KDA
+    prefill kernels: the same slots and states advanced both ways for a few tokens of a batch of 3 (non-contiguous
+    slots, different lengths). "extreme": forget-gate biases from -120 to
     120, so the kernel's vectorized softplus meets its threshold (20), its exponent's clamp (88) and inputs whose e^f
     vanishes next to 1."""
     from deltaserve import LLM
@@ -132,9 +133,43 @@ def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, dtype, gates):
     assert (outputs[True] - outputs[False]).abs().max() <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["kimi-linear", "k3"])    # per-head rate, softplus; per-channel rate, lower bound
+def test_kda_chunk_inputs_equal_the_op_by_op_ones(dtype, variant):
+    """The prefill kernel's chunked q (scaled), k, v, log-decay and beta against layers/kda.py's op-by-op forms, for
+    2 sequences of 37 tokens in chunks of 24 (the second padded with zeros), read from views of one projection."""
+    import torch.nn.functional as F
+    from deltaserve.layers.kda import forget_gate
+    from deltaserve.ops.delta_rule import l2norm
+    g = torch.Generator().manual_seed(1)
+    B, T, H, K, W, C = 2, 37, 3, 32, 4, 24
+    P = H * K
+    qkv, f, b = torch.randn(B, T, 4 * P + H, generator=g).to(dtype).split([3 * P, P, H], dim=-1)
+    window = torch.cat((torch.randn(B, W - 1, 3 * P, generator=g).to(dtype), qkv), dim=1)
+    taps, dt_bias = torch.randn(3 * P, W, generator=g) * 0.5, torch.linspace(-30, 30, P)
+    per_channel, bound = (True, -5.0) if variant == "k3" else (False, 0.0)
+    rate = torch.rand(K if per_channel else H, generator=g) + 0.5
+    got = k.kda_chunk_inputs(window, taps.t().contiguous(), f, dt_bias, rate, bound, per_channel, b, K ** -0.5, C)
+    conv = F.conv1d(window.transpose(1, 2).float(), taps.unsqueeze(1), groups=3 * P).transpose(1, 2)
+    x = F.silu(conv).to(dtype).view(B, T, 3, H, K)
+    qk, v = l2norm(x[:, :, :2].float()), x[:, :, 2].float()
+    log_decay = forget_gate(f.float().view(B, T, H, K) + dt_bias.view(H, K), rate if per_channel else rate.view(H, 1),
+                            bound or None)
+    def chunks(t: torch.Tensor) -> torch.Tensor:      # [B, T, H, *] -> [B, H, 2, C, *], zero past T
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, 2 * C - T)).transpose(1, 2)
+        return t.reshape(B, H, 2, C, *t.shape[3:])
+    want = [chunks(qk[:, :, 0]) * K ** -0.5, chunks(qk[:, :, 1]), chunks(v), chunks(log_decay),
+            chunks(torch.sigmoid(b.float()))]
+    # bf16: the conv sums in another order than oneDNN's, so a SiLU output can round to the neighbouring bf16
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for name, a, e in zip(("q", "k", "v", "log-decay", "beta"), got, want):
+        assert a.shape == e.shape, name
+        assert ((a - e).abs() <= tol * (1 + e.abs())).all(), name
+
+
 @pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                      (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("H", [1, 4, 8, 19])    # context tiles of 1, 4, 8, 16 + 1 heads (AVX-512); scores 8 + 1
+@pytest.mark.parametrize("H", [1, 2, 4, 8, 19])   # context tiles of 1, 2, 4, 8, 16 + 1 heads (AVX-512); scores 8 + 1
 def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype, H):
     """The MLA decode kernel (fold W_UK into the query, write the new latent in place, attend over the slot's own
     length, apply W_UV) vs the op-by-op absorbed attention over the gathered cache with its mask, for rows of

@@ -1051,6 +1051,7 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
   at::parallel_for(0, B * blocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / blocks, j0 = t % blocks * kBlock, j1 = std::min(j0 + kBlock, positions[b] + 1);
+      if (j1 <= j0) continue;                                // past this row's length
       int64_t j = j0;
       for (; j + kScoreRows <= j1; j += kScoreRows) {
         const CT* rows[kScoreRows];
@@ -1092,9 +1093,10 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
     }
   });
   // context: a task is G heads (the most of 16, 8, 4, 2, 1 that H allows, within the register budget) by 16 NC latent
-  // columns of one row, NC the vectors of accumulators the budget leaves each head
-  auto context = [&](auto group) {
-    constexpr int G = decltype(group)::value, NC = kContextVecs / G;
+  // columns of one row, NC the vectors of accumulators the budget leaves each head, or 1 where that would leave a
+  // thread fewer than two tasks
+  auto context = [&](auto group, auto vecs) {
+    constexpr int G = decltype(group)::value, NC = decltype(vecs)::value;
     const int64_t width = 16 * NC, col_blocks = (rank + width - 1) / width, head_groups = (H + G - 1) / G;
     at::parallel_for(0, B * col_blocks * head_groups, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -1110,11 +1112,17 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
       }
     });
   };
-  if (kAvx512 && H >= 16) context(std::integral_constant<int, kAvx512 ? 16 : 1>{});
-  else if (kAvx512 && H >= 8) context(std::integral_constant<int, kAvx512 ? 8 : 1>{});
-  else if (H >= 4) context(std::integral_constant<int, 4>{});
-  else if (H >= 2) context(std::integral_constant<int, 2>{});
-  else context(std::integral_constant<int, 1>{});
+  auto widest = [&](auto group) {
+    constexpr int G = decltype(group)::value, NC = kContextVecs / G;
+    const int64_t tasks = B * ((rank + 16 * NC - 1) / (16 * NC)) * ((H + G - 1) / G);
+    if (NC > 1 && tasks < 2 * at::get_num_threads()) context(group, std::integral_constant<int, 1>{});
+    else context(group, std::integral_constant<int, NC>{});
+  };
+  if (kAvx512 && H >= 16) widest(std::integral_constant<int, kAvx512 ? 16 : 1>{});
+  else if (kAvx512 && H >= 8) widest(std::integral_constant<int, kAvx512 ? 8 : 1>{});
+  else if (H >= 4) widest(std::integral_constant<int, 4>{});
+  else if (H >= 2) widest(std::integral_constant<int, 2>{});
+  else widest(std::integral_constant<int, 1>{});
 }
 }  // namespace
 
@@ -1312,14 +1320,11 @@ struct ChunkOut { float *w, *u, *q_decayed, *k_to_end, *end_decay, *A_qk; };
 void prepare_chunk(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t C,
                    int64_t K, int64_t V, int64_t sub, const ChunkOut& o, float* scratch) {
   float *G = scratch, *eG = G + C * K, *A_kk = eG + C * K, *rows = A_kk + C * C, *cols = rows + 2 * sub * K;
-  for (int64_t d = 0; d < K; d += 16) {               // inclusive cumulative log-decay, each column in row order
-    V16 run = zero();
-    for (int64_t r = 0; r < C; ++r) {
-      run = run + load(g + r * K + d);
-      store(G + r * K + d, run);
-      store(eG + r * K + d, exp16(run));
-    }
+  for (int64_t d = 0; d < K; ++d) {          // inclusive cumulative log-decay, summed in double as torch.cumsum does
+    double run = 0;
+    for (int64_t r = 0; r < C; ++r) G[r * K + d] = float(run += g[r * K + d]);
   }
+  for (int64_t i = 0; i < C * K; i += 16) store(eG + i, exp16(load(G + i)));
   std::fill(A_kk, A_kk + C * C, 0.f);
   std::fill(o.A_qk, o.A_qk + C * C, 0.f);
   for (int64_t r0 = 0; r0 < C; r0 += sub) {
