@@ -81,20 +81,25 @@ def test_bfloat16_is_finite_and_close_to_float32(tiny_dir, llm):
     assert (bf16.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_experts_sum_as_one_index_add_per_expert(tiny_dir, dtype):
-    """Bitwise: the routed experts of a prefill chunk (grouped by one sort) give what the reference's loop gives, each
-    expert's weighted results rounded to the activation dtype and added to its tokens in ascending expert order."""
+@pytest.mark.parametrize("dtype,widened", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_prefill_experts_sum_as_one_index_add_per_expert(tiny_dir, dtype, widened, monkeypatch):
+    """Bitwise: the routed experts of a prefill chunk (the CPU kernel, or the loop grouped by one sort) give what the
+    reference's loop gives, each expert's weighted results rounded to the activation dtype and added to its tokens in
+    ascending expert order. `widened`: as on a CPU without bf16 arithmetic (bf16 products of 4+ rows in fp32)."""
+    from deltaserve.layers import linear
     from deltaserve.layers.moe import route
+    if widened:
+        monkeypatch.setattr(linear, "CPU_BF16_ARITHMETIC", False)
     # 4 experts a token: with 2, one rounding of their sum is all either way
     llm = LLM(tiny_dir, dtype=dtype, enforce_eager=True, hf_overrides={"num_experts_per_token": 4})
     moe = next(m for m in llm.runner.model.modules() if type(m).__name__ == "MoE")
-    h = torch.randn(100, moe.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
-    ids, weights = route(h, moe.gate_weight, moe.e_score_correction_bias, moe.cfg)
-    expected = torch.zeros_like(h)
-    for e in sorted(set(ids.flatten().tolist())):
-        tokens, j = (ids == e).nonzero(as_tuple=True)
-        y = moe.expert(e, h[tokens], lambda t: t) * weights[tokens, j, None]
-        expected.index_add_(0, tokens, y.to(dtype))
-    with torch.inference_mode():
-        assert torch.equal(moe.experts(h, ids, weights), expected)
+    for n in (100, 12):                 # 12 tokens: experts of up to 8 rows too (the GEMV kernel's products)
+        h = torch.randn(n, moe.cfg.hidden_size, generator=torch.Generator().manual_seed(n)).to(dtype)
+        ids, weights = route(h, moe.gate_weight, moe.e_score_correction_bias, moe.cfg)
+        expected = torch.zeros_like(h)
+        for e in sorted(set(ids.flatten().tolist())):
+            tokens, j = (ids == e).nonzero(as_tuple=True)
+            y = moe.expert(e, h[tokens], lambda t: t) * weights[tokens, j, None]
+            expected.index_add_(0, tokens, y.to(dtype))
+        with torch.inference_mode():
+            assert torch.equal(moe.experts(h, ids, weights), expected)

@@ -882,6 +882,20 @@ torch::Tensor experts_product(const WeightSets& w, const std::vector<Group>& gro
 }
 }  // namespace
 
+namespace {
+// The experts' activation of [gate | up] rows in their dtype, as layers/mlp.py computes it: SwiGLU silu(g) * u, or SiTU
+// in fp32, rounded once. Elementwise, so all groups at once give each expert's values (rows stay I long: the same
+// vector/tail split).
+torch::Tensor gated_act(const torch::Tensor& gate_up, bool situ, double beta, double linear_beta) {
+  const int64_t I = gate_up.size(1) / 2;
+  const auto gate = gate_up.narrow(1, 0, I), up = gate_up.narrow(1, I, I);
+  if (!situ) return torch::silu(gate) * up;
+  const auto gf = gate.to(torch::kFloat), uf = up.to(torch::kFloat);
+  return (beta * torch::tanh(gf / beta) * torch::sigmoid(gf) * (linear_beta * torch::tanh(uf / linear_beta)))
+      .to(gate_up.scalar_type());
+}
+}  // namespace
+
 std::tuple<torch::Tensor, torch::Tensor> routed_experts(
     const torch::Tensor& h, const torch::Tensor& ids, const torch::Tensor& weights, at::TensorList w13,
     at::TensorList w2, bool situ, double beta, double linear_beta, at::TensorList shared_gate_up,
@@ -915,16 +929,7 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
   const auto tokens = torch::tensor(token, torch::kLong);
   const auto gate_up = experts_product({w13, shared_w13}, groups, Inputs(h.index_select(0, tokens), w13[0]))
                            .to(dtype);
-  const int64_t I = gate_up.size(1) / 2;
-  const auto gate = gate_up.narrow(1, 0, I), up = gate_up.narrow(1, I, I);
-  // elementwise, so all groups at once give each expert's values (rows stay I long: the same vector/tail split)
-  torch::Tensor act;
-  if (situ) {
-    const auto gf = gate.to(torch::kFloat), uf = up.to(torch::kFloat);
-    act = (beta * torch::tanh(gf / beta) * torch::sigmoid(gf) * (linear_beta * torch::tanh(uf / linear_beta))).to(dtype);
-  } else {
-    act = torch::silu(gate) * up;
-  }
+  const auto act = gated_act(gate_up, situ, beta, linear_beta);
   const auto down = experts_product({w2, shared_w2}, groups, Inputs(act, w2[0]));       // fp32 [A (+ B), R]
   // each assignment in expert order, rounded where the loop rounds: the product to h's dtype, times the routing
   // weight in fp32, rounded, then added to its token's running sum in h's dtype (the loop's index_add_ per expert;
@@ -947,6 +952,77 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
   else accumulate(float{});
   // the shared expert's rows, rounded once to h's dtype as gemv rounds them
   return {out, shared ? down.narrow(0, A, B).to(dtype) : torch::empty({0, R}, h.options())};
+}
+
+// The routed experts of a prefill chunk (any number of tokens), dense weights [E, 2I, R] and [E, R, I] in h's dtype:
+// MoE.experts's loop without its per-expert Python. Each expert's rows through the product layers/linear.py's `linear`
+// picks for them (gemv up to kMaxRows rows; else ATen's, in fp32 from widen_from_rows rows on when that is > 0), the
+// activation over all rows at once, each result times its routing weight in fp32, rounded, and added to its token's
+// running sum in h's dtype in ascending expert order: bit for bit the loop's results.
+torch::Tensor routed_experts_prefill(const torch::Tensor& h, const torch::Tensor& ids, const torch::Tensor& weights,
+                                     const torch::Tensor& w13, const torch::Tensor& w2, bool situ, double beta,
+                                     double linear_beta, int64_t widen_from_rows) {
+  TORCH_CHECK(h.dim() == 2 && (h.scalar_type() == torch::kFloat || h.scalar_type() == torch::kBFloat16),
+              "h must be [N, R] float32 or bfloat16");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == h.size(0) && ids.scalar_type() == torch::kLong,
+              "ids must be int64 [N, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "weights must be fp32 [N, k]");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous() &&
+              w13.scalar_type() == h.scalar_type() && w2.scalar_type() == h.scalar_type() &&
+              w13.size(2) == h.size(1) && w2.size(1) == h.size(1) && w13.size(1) == 2 * w2.size(2) &&
+              w2.size(0) == w13.size(0), "experts must be contiguous [E, 2I, R] and [E, R, I] in h's dtype");
+  const int64_t N = h.size(0), k = ids.size(1), A = N * k, E = w13.size(0), R = h.size(1);
+  const auto id = ids.contiguous(), w = weights.contiguous();
+  const int64_t* e_of = id.data_ptr<int64_t>();
+  std::vector<int64_t> begin(E + 1, 0);                  // assignments by expert, then by slot (n * k + j)
+  for (int64_t a = 0; a < A; ++a) {
+    TORCH_CHECK(e_of[a] >= 0 && e_of[a] < E, "expert id out of range");
+    ++begin[e_of[a] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) begin[e + 1] += begin[e];
+  std::vector<int64_t> slot(A), at(A), next(begin.begin(), begin.end() - 1), filled(N, 0);
+  for (int64_t a = 0; a < A; ++a) slot[next[e_of[a]]++] = a;
+  for (int64_t r = 0; r < A; ++r) at[slot[r] / k * k + filled[slot[r] / k]++] = r;     // a token's rows, by expert
+  std::vector<int64_t> token(A);
+  for (int64_t r = 0; r < A; ++r) token[r] = slot[r] / k;
+  const auto rows = h.index_select(0, torch::tensor(token, torch::kLong));
+  auto product = [&](const torch::Tensor& x, const torch::Tensor& W) {
+    if (x.size(0) <= kMaxRows) return gemv(x, W, false);
+    if (widen_from_rows > 0 && x.scalar_type() == torch::kBFloat16 && x.size(0) >= widen_from_rows)
+      return at::linear(x.to(torch::kFloat), W.to(torch::kFloat)).to(x.scalar_type());
+    return at::linear(x, W);
+  };
+  auto per_expert = [&](const torch::Tensor& x, const torch::Tensor& W) {
+    auto y = torch::empty({A, W.size(1)}, h.options());
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = begin[e + 1] - begin[e];
+      if (n) y.narrow(0, begin[e], n).copy_(product(x.narrow(0, begin[e], n), W[e]));
+    }
+    return y;
+  };
+  const auto down = per_expert(gated_act(per_expert(rows, w13), situ, beta, linear_beta), w2);
+  auto out = torch::empty({N, R}, h.options());
+  const float* wf = w.data_ptr<float>();
+  auto accumulate = [&](auto zero) {
+    using T = decltype(zero);
+    const T* d = down.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        T* sum = o + n * R;
+        std::fill(sum, sum + R, T(0.f));
+        for (int64_t i = 0; i < k; ++i) {
+          const int64_t r = at[n * k + i];
+          const T* dr = d + r * R;
+          const float weight = wf[slot[r]];
+          for (int64_t c = 0; c < R; ++c) sum[c] = T(to_float(sum[c]) + round_to<T>(to_float(dr[c]) * weight));
+        }
+      }
+    });
+  };
+  if (h.scalar_type() == torch::kBFloat16) accumulate(at::BFloat16{});
+  else accumulate(float{});
+  return out;
 }
 
 // One decode step of latent attention (MLA, absorbed form; layers/mla.py) for a batch whose rows live in cache slots:
@@ -1503,6 +1579,8 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "Tensor positions, float scale) -> Tensor");
   m.def("routed_experts(Tensor h, Tensor ids, Tensor weights, Tensor[] w13, Tensor[] w2, bool situ, float beta, "
         "float linear_beta, Tensor[] shared_gate_up, Tensor[] shared_down) -> (Tensor, Tensor)");
+  m.def("routed_experts_prefill(Tensor h, Tensor ids, Tensor weights, Tensor w13, Tensor w2, bool situ, float beta, "
+        "float linear_beta, int widen_from_rows) -> Tensor");
   m.def("kda_chunk_inputs(Tensor window, Tensor taps, Tensor f, Tensor dt_bias, Tensor decay, float lower_bound, "
         "bool per_channel, Tensor beta_logit, float scale, int chunk) -> Tensor[]");
   m.def("kda_chunk_prepare(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor[]");
@@ -1516,6 +1594,7 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("argmax", &argmax);
   m.impl("kda_decode_step", &kda_decode_step);
   m.impl("routed_experts", &routed_experts);
+  m.impl("routed_experts_prefill", &routed_experts_prefill);
   m.impl("kda_chunk_inputs", &kda_chunk_inputs);
   m.impl("kda_chunk_prepare", &kda_chunk_prepare);
   m.impl("mla_decode", &mla_decode);

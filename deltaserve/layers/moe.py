@@ -17,6 +17,7 @@ from ..models.kimi_config import KimiConfig
 from ..ops.mxfp4 import BLOCK
 from ..ops.mxfp8 import quantize_dequantize_mxfp8
 from ..ops.cpu_kernels import MAX_ROWS, kernels
+from . import linear as products
 from .linear import Int8Weight, linear, linear_mxfp4, weight_parts
 from .mlp import GatedMLP, gated_activation, param
 from .norm import RMSNorm
@@ -117,6 +118,12 @@ class MoE(nn.Module):
         return (kernels() if h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16)
                 and h.shape[0] <= MAX_ROWS and not self.cfg.expert_input_mxfp8 else None)
 
+    def _prefill_kernels(self, h: torch.Tensor):
+        """The CPU kernels when they run this chunk's routed experts (dense weights in h's dtype), else None."""
+        w13 = getattr(self, "w13", None)
+        return (kernels() if h.device.type == "cpu" and isinstance(w13, torch.Tensor) and w13.dtype == h.dtype
+                and h.dtype in (torch.float32, torch.bfloat16) and not self.cfg.expert_input_mxfp8 else None)
+
     @property
     def fuses_shared(self) -> bool:
         """Whether the decode kernel runs the shared expert beside the routed ones: it reads the routed experts'
@@ -138,6 +145,10 @@ class MoE(nn.Module):
                                         [], [])[0]
         if N <= MAX_ROWS and self.gathers_experts:
             return self.experts_gathered(h, ids, weights)
+        if self._prefill_kernels(h) is not None:    # the loop below as one CPU kernel call, bit for bit
+            widen = products.WIDEN_FROM_ROWS if not products.CPU_BF16_ARITHMETIC else 0
+            return kernels().routed_experts_prefill(h, ids, weights, self.w13, self.w2, self.cfg.hidden_act == "situ",
+                                                    self.cfg.situ_beta, self.cfg.situ_linear_beta, widen)
         # assignments (n * k + j) in expert order, then slot order: each expert's rows are one slice of a single gather
         order = ids.flatten().argsort(stable=True)
         counts = torch.bincount(ids.flatten(), minlength=self.cfg.num_experts).tolist()      # the one host sync
