@@ -95,7 +95,8 @@ def figures(turn) -> tuple[int, int, int, float]:
 
 
 def test_reply_streams_in_with_the_servers_figures_and_text(page, server):
-    reply_settings(page, max_tokens="12")
+    # long enough that the page is seen between chunks: the tiny model makes 12 tokens in a few polls' time
+    reply_settings(page, max_tokens="64")
     question = "Hello <b>there</b> & welcome"
     send(page, question)
     lengths = set()
@@ -106,11 +107,11 @@ def test_reply_streams_in_with_the_servers_figures_and_text(page, server):
     turn = finished_turn(page, 1)
     cached, new, out, tok_s = figures(turn)
     log_cached, log_new, log_gen, log_out = logged_turns(server)[-1]
-    assert (cached, new, out) == (log_cached, log_new, log_out) and out == 12
+    assert (cached, new, out) == (log_cached, log_new, log_out) and out == 64
     assert log_gen / 4 <= tok_s <= log_gen * 4 + 4, (tok_s, log_gen)    # client-timed, so only roughly equal
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
     expected = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=12,
+        model="tiny", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=64,
         extra_body={"ignore_eos": True, "cache_salt": "fresh"}).choices[0].message.content
     assert turn.locator(".answer").text_content() == expected
     assert turn.locator(".user").text_content() == question
