@@ -93,13 +93,22 @@ def test_prefill_experts_sum_as_one_index_add_per_expert(tiny_dir, dtype, widene
     # 4 experts a token: with 2, one rounding of their sum is all either way
     llm = LLM(tiny_dir, dtype=dtype, enforce_eager=True, hf_overrides={"num_experts_per_token": 4})
     moe = next(m for m in llm.runner.model.modules() if type(m).__name__ == "MoE")
-    for n in (100, 12):                 # 12 tokens: experts of up to 8 rows too (the GEMV kernel's products)
-        h = torch.randn(n, moe.cfg.hidden_size, generator=torch.Generator().manual_seed(n)).to(dtype)
-        ids, weights = route(h, moe.gate_weight, moe.e_score_correction_bias, moe.cfg)
-        expected = torch.zeros_like(h)
-        for e in sorted(set(ids.flatten().tolist())):
-            tokens, j = (ids == e).nonzero(as_tuple=True)
-            y = moe.expert(e, h[tokens], lambda t: t) * weights[tokens, j, None]
-            expected.index_add_(0, tokens, y.to(dtype))
-        with torch.inference_mode():
-            assert torch.equal(moe.experts(h, ids, weights), expected)
+    if kernels() is not None:           # the kernel is what runs here, not the loop
+        assert moe._prefill_kernels(torch.zeros(9, moe.cfg.hidden_size, dtype=dtype)) is not None
+    # 12 tokens: experts of up to 8 rows too (the GEMV kernel's products); 3,000 on 3 threads: each expert's
+    # activation is big enough for ATen to split it among threads, at places an all-rows call would not split
+    threads = torch.get_num_threads()
+    for n, t in ((100, threads), (12, threads), (3000, 3)):
+        torch.set_num_threads(t)
+        try:
+            h = torch.randn(n, moe.cfg.hidden_size, generator=torch.Generator().manual_seed(n)).to(dtype)
+            ids, weights = route(h, moe.gate_weight, moe.e_score_correction_bias, moe.cfg)
+            expected = torch.zeros_like(h)
+            for e in sorted(set(ids.flatten().tolist())):
+                tokens, j = (ids == e).nonzero(as_tuple=True)
+                y = moe.expert(e, h[tokens], lambda t: t) * weights[tokens, j, None]
+                expected.index_add_(0, tokens, y.to(dtype))
+            with torch.inference_mode():
+                assert torch.equal(moe.experts(h, ids, weights), expected)
+        finally:
+            torch.set_num_threads(threads)

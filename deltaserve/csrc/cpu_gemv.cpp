@@ -6,6 +6,7 @@
 #include <torch/all.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <c10/util/ParallelGuard.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -884,8 +885,10 @@ torch::Tensor experts_product(const WeightSets& w, const std::vector<Group>& gro
 
 namespace {
 // The experts' activation of [gate | up] rows in their dtype, as layers/mlp.py computes it: SwiGLU silu(g) * u, or SiTU
-// in fp32, rounded once. Elementwise, so all groups at once give each expert's values (rows stay I long: the same
-// vector/tail split).
+// in fp32, rounded once. Elementwise, row by row (rows stay I long: the same vector/tail split); but ATen splits an op
+// of over GRAIN_SIZE elements among threads at any element, where an element's last bit can change (scalar vs vector
+// code), so callers give it the rows the loop gives each call, or run it sequentially where each of the loop's calls
+// is under that size.
 torch::Tensor gated_act(const torch::Tensor& gate_up, bool situ, double beta, double linear_beta) {
   const int64_t I = gate_up.size(1) / 2;
   const auto gate = gate_up.narrow(1, 0, I), up = gate_up.narrow(1, I, I);
@@ -929,7 +932,10 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
   const auto tokens = torch::tensor(token, torch::kLong);
   const auto gate_up = experts_product({w13, shared_w13}, groups, Inputs(h.index_select(0, tokens), w13[0]))
                            .to(dtype);
-  const auto act = gated_act(gate_up, situ, beta, linear_beta);
+  const auto act = [&] {             // the loop's per-expert calls (at most 8 rows each) run on one thread
+    c10::ParallelGuard sequential(true);
+    return gated_act(gate_up, situ, beta, linear_beta);
+  }();
   const auto down = experts_product({w2, shared_w2}, groups, Inputs(act, w2[0]));       // fp32 [A (+ B), R]
   // each assignment in expert order, rounded where the loop rounds: the product to h's dtype, times the routing
   // weight in fp32, rounded, then added to its token's running sum in h's dtype (the loop's index_add_ per expert;
@@ -956,12 +962,12 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
 
 // The routed experts of a prefill chunk (any number of tokens), dense weights [E, 2I, R] and [E, R, I] in h's dtype:
 // MoE.experts's loop without its per-expert Python. Each expert's rows through the product layers/linear.py's `linear`
-// picks for them (gemv up to kMaxRows rows; else ATen's, in fp32 from widen_from_rows rows on when that is > 0), the
-// activation over all rows at once, each result times its routing weight in fp32, rounded, and added to its token's
-// running sum in h's dtype in ascending expert order: bit for bit the loop's results.
+// picks for them (gemv up to kMaxRows rows; else ATen's, in fp32 from widen_from_rows rows on if given) and the
+// activation, each result times its routing weight in fp32, rounded, and added to its token's running sum in h's dtype
+// in ascending expert order: bit for bit the loop's results.
 torch::Tensor routed_experts_prefill(const torch::Tensor& h, const torch::Tensor& ids, const torch::Tensor& weights,
                                      const torch::Tensor& w13, const torch::Tensor& w2, bool situ, double beta,
-                                     double linear_beta, int64_t widen_from_rows) {
+                                     double linear_beta, std::optional<int64_t> widen_from_rows) {
   TORCH_CHECK(h.dim() == 2 && (h.scalar_type() == torch::kFloat || h.scalar_type() == torch::kBFloat16),
               "h must be [N, R] float32 or bfloat16");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == h.size(0) && ids.scalar_type() == torch::kLong,
@@ -988,19 +994,17 @@ torch::Tensor routed_experts_prefill(const torch::Tensor& h, const torch::Tensor
   const auto rows = h.index_select(0, torch::tensor(token, torch::kLong));
   auto product = [&](const torch::Tensor& x, const torch::Tensor& W) {
     if (x.size(0) <= kMaxRows) return gemv(x, W, false);
-    if (widen_from_rows > 0 && x.scalar_type() == torch::kBFloat16 && x.size(0) >= widen_from_rows)
+    if (widen_from_rows && x.scalar_type() == torch::kBFloat16 && x.size(0) >= *widen_from_rows)
       return at::linear(x.to(torch::kFloat), W.to(torch::kFloat)).to(x.scalar_type());
     return at::linear(x, W);
   };
-  auto per_expert = [&](const torch::Tensor& x, const torch::Tensor& W) {
-    auto y = torch::empty({A, W.size(1)}, h.options());
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = begin[e + 1] - begin[e];
-      if (n) y.narrow(0, begin[e], n).copy_(product(x.narrow(0, begin[e], n), W[e]));
-    }
-    return y;
-  };
-  const auto down = per_expert(gated_act(per_expert(rows, w13), situ, beta, linear_beta), w2);
+  auto down = torch::empty({A, R}, h.options());
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = begin[e + 1] - begin[e];
+    if (n)
+      down.narrow(0, begin[e], n)
+          .copy_(product(gated_act(product(rows.narrow(0, begin[e], n), w13[e]), situ, beta, linear_beta), w2[e]));
+  }
   auto out = torch::empty({N, R}, h.options());
   const float* wf = w.data_ptr<float>();
   auto accumulate = [&](auto zero) {
@@ -1580,7 +1584,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("routed_experts(Tensor h, Tensor ids, Tensor weights, Tensor[] w13, Tensor[] w2, bool situ, float beta, "
         "float linear_beta, Tensor[] shared_gate_up, Tensor[] shared_down) -> (Tensor, Tensor)");
   m.def("routed_experts_prefill(Tensor h, Tensor ids, Tensor weights, Tensor w13, Tensor w2, bool situ, float beta, "
-        "float linear_beta, int widen_from_rows) -> Tensor");
+        "float linear_beta, int? widen_from_rows) -> Tensor");
   m.def("kda_chunk_inputs(Tensor window, Tensor taps, Tensor f, Tensor dt_bias, Tensor decay, float lower_bound, "
         "bool per_channel, Tensor beta_logit, float scale, int chunk) -> Tensor[]");
   m.def("kda_chunk_prepare(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor[]");

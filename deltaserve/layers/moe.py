@@ -119,10 +119,12 @@ class MoE(nn.Module):
                 and h.shape[0] <= MAX_ROWS and not self.cfg.expert_input_mxfp8 else None)
 
     def _prefill_kernels(self, h: torch.Tensor):
-        """The CPU kernels when they run this chunk's routed experts (dense weights in h's dtype), else None."""
-        w13 = getattr(self, "w13", None)
-        return (kernels() if h.device.type == "cpu" and isinstance(w13, torch.Tensor) and w13.dtype == h.dtype
-                and h.dtype in (torch.float32, torch.bfloat16) and not self.cfg.expert_input_mxfp8 else None)
+        """The CPU kernels when they run a prefill chunk's routed experts (dense contiguous weights in h's dtype; int8
+        can leave one of w13 and w2 dense), else None."""
+        stacks = [getattr(self, name, None) for name in ("w13", "w2")]
+        dense = all(isinstance(w, torch.Tensor) and w.dtype == h.dtype and w.is_contiguous() for w in stacks)
+        return (kernels() if dense and h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16)
+                and not self.cfg.expert_input_mxfp8 else None)
 
     @property
     def fuses_shared(self) -> bool:
@@ -133,8 +135,8 @@ class MoE(nn.Module):
 
     def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[n, k] * expert_{ids[n, k]}(h[n]) for every token n; h [N, R] -> [N, R]. Experts run in
-        ascending order, as the reference sums them; assignments are grouped by one sort (one host sync). Decode (up to
-        8 tokens) runs the same loop as one CPU kernel call."""
+        ascending order, as the reference sums them; assignments are grouped by one sort (one host sync). On a CPU the
+        same loop runs as one kernel call: decode's (up to 8 tokens), and a prefill chunk's with dense experts."""
         qdq = quantize_dequantize_mxfp8 if self.cfg.expert_input_mxfp8 else (lambda t: t)
         h = qdq(h)
         N, k = ids.shape
@@ -145,10 +147,11 @@ class MoE(nn.Module):
                                         [], [])[0]
         if N <= MAX_ROWS and self.gathers_experts:
             return self.experts_gathered(h, ids, weights)
-        if self._prefill_kernels(h) is not None:    # the loop below as one CPU kernel call, bit for bit
-            widen = products.WIDEN_FROM_ROWS if not products.CPU_BF16_ARITHMETIC else 0
-            return kernels().routed_experts_prefill(h, ids, weights, self.w13, self.w2, self.cfg.hidden_act == "situ",
-                                                    self.cfg.situ_beta, self.cfg.situ_linear_beta, widen)
+        prefill = self._prefill_kernels(h)
+        if prefill is not None:                     # the loop below as one CPU kernel call, bit for bit
+            widen = None if products.CPU_BF16_ARITHMETIC else products.WIDEN_FROM_ROWS
+            return prefill.routed_experts_prefill(h, ids, weights, self.w13, self.w2, self.cfg.hidden_act == "situ",
+                                                  self.cfg.situ_beta, self.cfg.situ_linear_beta, widen)
         # assignments (n * k + j) in expert order, then slot order: each expert's rows are one slice of a single gather
         order = ids.flatten().argsort(stable=True)
         counts = torch.bincount(ids.flatten(), minlength=self.cfg.num_experts).tolist()      # the one host sync
