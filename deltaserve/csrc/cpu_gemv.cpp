@@ -897,6 +897,70 @@ torch::Tensor gated_act(const torch::Tensor& gate_up, bool situ, double beta, do
   return (beta * torch::tanh(gf / beta) * torch::sigmoid(gf) * (linear_beta * torch::tanh(uf / linear_beta)))
       .to(gate_up.scalar_type());
 }
+
+// Token-to-expert assignments a = n k + j (ids [N, k]) grouped by expert: slot[r] is the assignment at row r, experts
+// in ascending order and each expert's assignments in slot order, expert e's rows [begin[e], begin[e + 1]); at[n k + i]
+// is the row of token n's i-th smallest expert.
+struct ByExpert {
+  std::vector<int64_t> slot, begin, at;
+  ByExpert(const torch::Tensor& ids, int64_t E) : slot(ids.numel()), begin(E + 1, 0), at(ids.numel()) {
+    const auto id = ids.contiguous();
+    const int64_t* e_of = id.data_ptr<int64_t>();
+    const int64_t A = ids.numel(), k = ids.size(1);
+    for (int64_t a = 0; a < A; ++a) {
+      TORCH_CHECK(e_of[a] >= 0 && e_of[a] < E, "expert id out of range");
+      ++begin[e_of[a] + 1];
+    }
+    for (int64_t e = 0; e < E; ++e) begin[e + 1] += begin[e];
+    std::vector<int64_t> next(begin.begin(), begin.end() - 1), filled(ids.size(0), 0);
+    for (int64_t a = 0; a < A; ++a) slot[next[e_of[a]]++] = a;
+    for (int64_t r = 0; r < A; ++r) at[slot[r] / k * k + filled[slot[r] / k]++] = r;
+  }
+  torch::Tensor tokens(int64_t k, int64_t then_each = 0) const {    // each row's token, then tokens 0..then_each-1
+    std::vector<int64_t> token(slot.size() + then_each);
+    for (size_t r = 0; r < slot.size(); ++r) token[r] = slot[r] / k;
+    for (int64_t n = 0; n < then_each; ++n) token[slot.size() + n] = n;
+    return torch::tensor(token, torch::kLong);
+  }
+};
+
+// out[n] = token n's expert results down[r] (rounded to T), each times its routing weight in fp32 and rounded, added
+// in T in ascending expert order: what the loop's index_add_ per expert rounds (summing a token's experts in fp32 and
+// rounding once would differ). down [A, R] in fp32 or T, out [N, R] in T; parallel over tokens.
+template <typename T, typename D>
+void weighted_sums(const ByExpert& by, const D* down, const float* weights, int64_t N, int64_t k, int64_t R, T* out) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      T* sum = out + n * R;
+      std::fill(sum, sum + R, T(0.f));
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t r = by.at[n * k + i];
+        const D* dr = down + r * R;
+        const float weight = weights[by.slot[r]];
+        for (int64_t c = 0; c < R; ++c)
+          sum[c] = T(to_float(sum[c]) + round_to<T>(round_to<T>(to_float(dr[c])) * weight));
+      }
+    }
+  });
+}
+
+// weighted_sums of `down` (fp32 or h's dtype) into a new [N, R] tensor in h's dtype
+torch::Tensor weighted_sums(const ByExpert& by, const torch::Tensor& down, const torch::Tensor& weights,
+                            const torch::Tensor& h, int64_t k) {
+  const int64_t N = h.size(0), R = h.size(1);
+  auto out = torch::empty({N, R}, h.options());
+  const auto w = weights.contiguous();
+  auto run = [&](auto t_zero, auto d_zero) {
+    using T = decltype(t_zero);
+    using D = decltype(d_zero);
+    weighted_sums<T, D>(by, down.data_ptr<D>(), w.data_ptr<float>(), N, k, R, out.data_ptr<T>());
+  };
+  const bool f32_down = down.scalar_type() == torch::kFloat;
+  if (h.scalar_type() == torch::kFloat) run(float{}, float{});
+  else if (f32_down) run(at::BFloat16{}, float{});
+  else run(at::BFloat16{}, at::BFloat16{});
+  return out;
+}
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> routed_experts(
@@ -912,24 +976,13 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
   const auto dtype = h.scalar_type();
   const int64_t k = ids.size(1), A = ids.numel(), B = h.size(0), R = h.size(1);
   const bool shared = !shared_gate_up.empty();
-  const auto id = ids.contiguous();
-  const int64_t* e_of = id.data_ptr<int64_t>();
-  std::vector<int64_t> slots(A);                         // assignments by expert, then by slot (n * k + j)
-  for (int64_t a = 0; a < A; ++a) slots[a] = a;
-  std::stable_sort(slots.begin(), slots.end(), [&](int64_t x, int64_t y) { return e_of[x] < e_of[y]; });
-  std::vector<int64_t> token(A + (shared ? B : 0));      // input row -> token: assignments, then every token once
+  const ByExpert by(ids, w13[0].size(0));
   std::vector<Group> groups;                             // a token's experts are distinct: at most 8 rows a group
-  for (int64_t a = 0; a < A; ++a) {
-    token[a] = slots[a] / k;
-    if (a == 0 || e_of[slots[a]] != groups.back().expert) groups.push_back({e_of[slots[a]], a, a + 1, 0});
-    else groups.back().end = a + 1;
-  }
-  if (shared) {
-    for (int64_t b = 0; b < B; ++b) token[A + b] = b;
-    groups.push_back({0, A, A + B, 1});
-  }
+  for (int64_t e = 0; e + 1 < int64_t(by.begin.size()); ++e)
+    if (by.begin[e + 1] > by.begin[e]) groups.push_back({e, by.begin[e], by.begin[e + 1], 0});
+  if (shared) groups.push_back({0, A, A + B, 1});
+  const auto tokens = by.tokens(k, shared ? B : 0);      // input row -> token: assignments, then every token once
   const auto shared_w13 = stack_of_one(shared_gate_up), shared_w2 = stack_of_one(shared_down);
-  const auto tokens = torch::tensor(token, torch::kLong);
   const auto gate_up = experts_product({w13, shared_w13}, groups, Inputs(h.index_select(0, tokens), w13[0]))
                            .to(dtype);
   const auto act = [&] {             // the loop's per-expert calls (at most 8 rows each) run on one thread
@@ -937,25 +990,8 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
     return gated_act(gate_up, situ, beta, linear_beta);
   }();
   const auto down = experts_product({w2, shared_w2}, groups, Inputs(act, w2[0]));       // fp32 [A (+ B), R]
-  // each assignment in expert order, rounded where the loop rounds: the product to h's dtype, times the routing
-  // weight in fp32, rounded, then added to its token's running sum in h's dtype (the loop's index_add_ per expert;
-  // summing a token's experts in fp32 and rounding once would differ)
   TORCH_CHECK(down.size(1) == R, "w2 experts must map back to h's width ", R);
-  auto out = torch::zeros({B, R}, h.options());
-  const auto w = weights.contiguous();
-  const float* wf = w.data_ptr<float>();
-  const float* d = down.data_ptr<float>();
-  auto accumulate = [&](auto zero) {
-    using T = decltype(zero);
-    T* o = out.data_ptr<T>();
-    for (int64_t a = 0; a < A; ++a) {
-      T* sum = o + token[a] * R;
-      const float* da = d + a * R;
-      for (int64_t c = 0; c < R; ++c) sum[c] = T(to_float(sum[c]) + round_to<T>(round_to<T>(da[c]) * wf[slots[a]]));
-    }
-  };
-  if (dtype == torch::kBFloat16) accumulate(at::BFloat16{});
-  else accumulate(float{});
+  const auto out = weighted_sums(by, down, weights, h, k);
   // the shared expert's rows, rounded once to h's dtype as gemv rounds them
   return {out, shared ? down.narrow(0, A, B).to(dtype) : torch::empty({0, R}, h.options())};
 }
@@ -977,21 +1013,9 @@ torch::Tensor routed_experts_prefill(const torch::Tensor& h, const torch::Tensor
               w13.scalar_type() == h.scalar_type() && w2.scalar_type() == h.scalar_type() &&
               w13.size(2) == h.size(1) && w2.size(1) == h.size(1) && w13.size(1) == 2 * w2.size(2) &&
               w2.size(0) == w13.size(0), "experts must be contiguous [E, 2I, R] and [E, R, I] in h's dtype");
-  const int64_t N = h.size(0), k = ids.size(1), A = N * k, E = w13.size(0), R = h.size(1);
-  const auto id = ids.contiguous(), w = weights.contiguous();
-  const int64_t* e_of = id.data_ptr<int64_t>();
-  std::vector<int64_t> begin(E + 1, 0);                  // assignments by expert, then by slot (n * k + j)
-  for (int64_t a = 0; a < A; ++a) {
-    TORCH_CHECK(e_of[a] >= 0 && e_of[a] < E, "expert id out of range");
-    ++begin[e_of[a] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) begin[e + 1] += begin[e];
-  std::vector<int64_t> slot(A), at(A), next(begin.begin(), begin.end() - 1), filled(N, 0);
-  for (int64_t a = 0; a < A; ++a) slot[next[e_of[a]]++] = a;
-  for (int64_t r = 0; r < A; ++r) at[slot[r] / k * k + filled[slot[r] / k]++] = r;     // a token's rows, by expert
-  std::vector<int64_t> token(A);
-  for (int64_t r = 0; r < A; ++r) token[r] = slot[r] / k;
-  const auto rows = h.index_select(0, torch::tensor(token, torch::kLong));
+  const int64_t k = ids.size(1), A = ids.numel(), E = w13.size(0), R = h.size(1);
+  const ByExpert by(ids, E);
+  const auto rows = h.index_select(0, by.tokens(k));
   auto product = [&](const torch::Tensor& x, const torch::Tensor& W) {
     if (x.size(0) <= kMaxRows) return gemv(x, W, false);
     if (widen_from_rows && x.scalar_type() == torch::kBFloat16 && x.size(0) >= *widen_from_rows)
@@ -1000,33 +1024,12 @@ torch::Tensor routed_experts_prefill(const torch::Tensor& h, const torch::Tensor
   };
   auto down = torch::empty({A, R}, h.options());
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = begin[e + 1] - begin[e];
+    const int64_t begin = by.begin[e], n = by.begin[e + 1] - begin;
     if (n)
-      down.narrow(0, begin[e], n)
-          .copy_(product(gated_act(product(rows.narrow(0, begin[e], n), w13[e]), situ, beta, linear_beta), w2[e]));
+      down.narrow(0, begin, n)
+          .copy_(product(gated_act(product(rows.narrow(0, begin, n), w13[e]), situ, beta, linear_beta), w2[e]));
   }
-  auto out = torch::empty({N, R}, h.options());
-  const float* wf = w.data_ptr<float>();
-  auto accumulate = [&](auto zero) {
-    using T = decltype(zero);
-    const T* d = down.data_ptr<T>();
-    T* o = out.data_ptr<T>();
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        T* sum = o + n * R;
-        std::fill(sum, sum + R, T(0.f));
-        for (int64_t i = 0; i < k; ++i) {
-          const int64_t r = at[n * k + i];
-          const T* dr = d + r * R;
-          const float weight = wf[slot[r]];
-          for (int64_t c = 0; c < R; ++c) sum[c] = T(to_float(sum[c]) + round_to<T>(to_float(dr[c]) * weight));
-        }
-      }
-    });
-  };
-  if (h.scalar_type() == torch::kBFloat16) accumulate(at::BFloat16{});
-  else accumulate(float{});
-  return out;
+  return weighted_sums(by, down, weights, h, k);
 }
 
 // One decode step of latent attention (MLA, absorbed form; layers/mla.py) for a batch whose rows live in cache slots:
