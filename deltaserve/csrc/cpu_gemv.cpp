@@ -681,6 +681,11 @@ inline void check_distinct(const int64_t* slots, int64_t B) {
     for (int64_t c = 0; c < b; ++c) TORCH_CHECK(slots[b] != slots[c], "slot ", slots[b], " appears twice in a batch");
 }
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+// KDA's log-decay from the forget-gate input f (+ dt_bias) and the rate a = exp(A_log): -a softplus(f), or with a
+// lower bound L, L sigmoid(a f) (layers/kda.py forget_gate)
+inline V16 log_decay16(V16 f, V16 rate, float lower_bound) {
+  return lower_bound != 0.f ? set1(lower_bound) * sigmoid16(rate * f) : (set1(0.f) - rate) * softplus16(f);
+}
 
 struct KdaArgs {
   int64_t B, H, K, W;
@@ -735,9 +740,7 @@ void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, co
     const int64_t n = K - r;
     const V16 fr = load_n(f + r, n) + load_n(dt_bias + h * K + r, n);
     const V16 rate = a.per_channel ? load_n(decay + r, n) : set1(decay[h]);
-    const V16 log_decay = a.lower_bound != 0.f ? set1(a.lower_bound) * sigmoid16(rate * fr)
-                                               : (set1(0.f) - rate) * softplus16(fr);
-    store_n(d.data() + r, n, exp16(log_decay));
+    store_n(d.data() + r, n, exp16(log_decay16(fr, rate, a.lower_bound)));
   }
   float* s = S + a.slots[b] * a.state_stride + h * K * K;                // [K keys][K values]
   // the state streams from memory (a batch's states outgrow the caches): its first kPrefetchBytes asked for at
@@ -1341,8 +1344,7 @@ void chunk_inputs_typed(const torch::Tensor& window, const torch::Tensor& taps, 
           store(v + at + i, load(&x[2 * K + i]));
           const V16 fr = load(raw(fp + b * fs0 + t * fs1 + h * K + i)) + load(dt_bias + h * K + i);
           const V16 rate = per_channel ? load(decay + i) : set1(decay[h]);
-          store(g + at + i, lower_bound != 0.f ? set1(lower_bound) * sigmoid16(rate * fr)
-                                               : (set1(0.f) - rate) * softplus16(fr));
+          store(g + at + i, log_decay16(fr, rate, lower_bound));
         }
         beta[row] = sigmoid(to_float(bp[b * bs0 + t * bs1 + h]));
       }
