@@ -110,9 +110,9 @@ def make_runner(load: LoadConfig, num_slots: int, max_len: int, init_method: str
 class LLM:
     """Load a checkpoint and generate. Calls on one LLM share its prefix cache.
 
-    `enforce_eager` (vLLM's name): never compile the decode step (compiled.py). Unset, it is on
-    when the DELTASERVE_ENFORCE_EAGER environment variable is 1. `warmup` also compiles every graph now, rather than
-    at each one's first use."""
+    `enforce_eager` (vLLM's name): never compile the decode step (compiled.py). Unset, it is on when the
+    DELTASERVE_ENFORCE_EAGER environment variable is 1. `warmup` also compiles every graph now, rather than at each
+    one's first use."""
 
     def __init__(self, model: str | Path, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                  chunk_size: int = 64, hf_overrides: dict[str, Any] | None = None, max_num_seqs: int = 8,

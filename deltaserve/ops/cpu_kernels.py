@@ -1,7 +1,7 @@
 """deltaserve's CPU kernels (csrc/cpu_gemv.cpp): for decode, matrix-vector products for 1..8 rows against fp32,
-bf16, int8 and MXFP4 weights at memory speed and the fused layer steps; for prefill, chunked KDA. Built once with the C++ toolchain torch uses (during set-up;
-cached by torch.utils.cpp_extension) and loaded at model load, never while
-a request waits. Absent (None) on CPUs without AVX2, where the build fails, or with DELTASERVE_CPU_KERNELS=0:
+bf16, int8 and MXFP4 weights at memory speed and the fused layer steps; for prefill, chunked KDA and the routed
+experts. Built once with the C++ toolchain torch uses (during set-up; cached by torch.utils.cpp_extension) and loaded
+at model load, never while a request waits. Absent (None) on CPUs without AVX2, where the build fails, or with DELTASERVE_CPU_KERNELS=0:
 callers then use PyTorch's own ops."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ _loaded: dict[str, Any] = {}      # a plain dict, not functools.cache: torch.com
 
 def kernels() -> Any:
     """The operators' namespace, torch.ops.<build name> (gemv, gemv_q8, gemv_mxfp4, rms_norm, kda_decode_step,
-    mla_decode, routed_experts, argmax; kda_chunk_inputs, kda_chunk_prepare), or None."""
+    mla_decode, routed_experts, argmax; kda_chunk_inputs, kda_chunk_prepare, routed_experts_prefill), or None."""
     if "ops" not in _loaded:
         _loaded["ops"] = _load()
     return _loaded["ops"]
