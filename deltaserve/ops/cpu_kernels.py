@@ -1,8 +1,8 @@
 """deltaserve's CPU kernels (csrc/cpu_gemv.cpp): for decode, matrix-vector products for 1..8 rows against fp32,
 bf16, int8 and MXFP4 weights at memory speed and the fused layer steps; for prefill, chunked KDA and the routed
 experts. Built once with the C++ toolchain torch uses (during set-up; cached by torch.utils.cpp_extension) and loaded
-at model load, never while a request waits. Absent (None) on CPUs without AVX2, where the build fails, or with DELTASERVE_CPU_KERNELS=0:
-callers then use PyTorch's own ops."""
+at model load, never while a request waits. Absent (None) on CPUs without AVX2, where the build fails, or with
+DELTASERVE_CPU_KERNELS=0: callers then use PyTorch's own ops."""
 from __future__ import annotations
 
 import hashlib
