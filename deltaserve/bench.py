@@ -102,15 +102,16 @@ def run_bench(llm: Any, load_s: float, prompt_tokens: int, decode_tokens: int, b
 
 def format_bench(r: dict[str, float]) -> str:
     batch = next(k for k in r if k.startswith("decode_tok_s_batch") and k != "decode_tok_s_batch1")[len("decode_tok_s_"):]
+    n = batch[len("batch"):]
     return "\n".join([
         f"load:                {r['load_s']:.2f} s",
         f"prefill:             {r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens, TTFT {r['ttft_cold_s'] * 1000:.0f} ms)",
         f"decode batch 1:      {r['decode_tok_s_batch1']:.1f} tok/s ({1000 / r['decode_tok_s_batch1']:.1f} ms/token)",
-        f"decode {batch:<13} {r['decode_tok_s_' + batch]:.1f} tok/s aggregate",
+        f"{f'decode batch {n}:':<20} {r['decode_tok_s_' + batch]:.1f} tok/s aggregate",
         f"roofline batch 1:    {r['roofline_decode_tok_s']:.1f} tok/s ({r['weight_bytes_per_token'] / 1e6:.1f} MB of "
         f"weights per token at {r['read_bandwidth_gb_s']:.1f} GB/s read); decode is {r['decode_vs_roofline']:.2f}x "
         "slower",
-        f"roofline {batch:<11} {r['roofline_decode_tok_s_' + batch]:.1f} tok/s aggregate "
+        f"{f'roofline batch {n}:':<20} {r['roofline_decode_tok_s_' + batch]:.1f} tok/s aggregate "
         f"({r['weight_bytes_per_step_' + batch] / 1e6:.1f} MB a step with the experts its tokens route to, uniformly); "
         f"decode is {r[f'decode_{batch}_vs_roofline']:.2f}x slower",
         f"second turn TTFT:    {r['ttft_second_turn_reuse_s'] * 1000:.0f} ms reusing {r['second_turn_cached_tokens']} of "

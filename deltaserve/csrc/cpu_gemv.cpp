@@ -7,15 +7,20 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/ParallelGuard.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -319,8 +324,103 @@ __attribute__((target("avx512bf16"))) void bf16_block(const uint16_t* x, int64_t
     for (int m = 0; m < M; ++m) store(y + m * N + n + r, _mm512_reduce_add_ps(acc[r][m]));
 }
 
+// AMX (Intel's tile unit, Sapphire Rapids on): at kAmxRows input rows or more, the vdpbf16ps form is bound by its
+// arithmetic (~16 multiply-adds a cycle a core here), and one tdpbf16ps multiplies 16 weight rows by 32 inputs of
+// each of M rows at once. Only from kAmxRows: with fewer rows the products are memory-bound either way, and a tile
+// load of 16 strided weight rows streams worse than vdpbf16ps's 2-3 rows a pass (bench-s batch 1 10-20% slower with
+// tiles for every M). So a row's result depends on whether its batch has kAmxRows rows (tiles sum in their own
+// order); within either form it does not depend on the other rows or on the thread count (--batch-invariant decodes
+// one row at a time for bitwise batch independence). Off with DELTASERVE_AMX=0, and where the CPU or the kernel
+// (Linux asks a process to request the tile state) does not allow it.
+bool amx_permitted() {
+  if (const char* env = std::getenv("DELTASERVE_AMX"); env && std::string(env) == "0") return false;
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;          // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+const bool kAmx = kBf16Dot && amx_permitted();
+constexpr int kAmxRows = 4;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-2: the fp32 sums of three blocks of `rows` weight rows by M inputs; 3-5: those blocks' weights (`rows` rows
+// of 32 bf16); 6: the inputs' next 32 values, as 16 pairs a row for each of the M inputs.
+template <int M>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = uint8_t(rows), cfg.colsb[t] = M * 4;
+  for (int t = 3; t < 6; ++t) cfg.rows[t] = uint8_t(rows), cfg.colsb[t] = 64;
+  cfg.rows[6] = 16, cfg.colsb[6] = M * 4;
+  _tile_loadconfig(&cfg);
+}
+
+template <typename OT, int M>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, int64_t K, const uint16_t* W,
+                                                           int64_t n0, int64_t n1, OT* y, int64_t N) {
+  thread_local std::vector<uint32_t> pairs;     // x as [K/2][M] pairs of bf16: the input tiles' layout
+  pairs.resize(K / 2 * M);
+  const auto* x2 = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t p = 0; p < K / 2; ++p)
+    for (int m = 0; m < M; ++m) pairs[p * M + m] = x2[m * K / 2 + p];
+  alignas(64) float c[3][16][M];
+  auto finish = [&](int tiles, int64_t n, int rows) {
+    if (tiles > 0) _tile_stored(0, c[0], M * 4);
+    if (tiles > 1) _tile_stored(1, c[1], M * 4);
+    if (tiles > 2) _tile_stored(2, c[2], M * 4);
+    for (int t = 0; t < tiles; ++t)
+      for (int i = 0; i < rows; ++i)
+        for (int m = 0; m < M; ++m) store(y + m * N + n + 16 * t + i, c[t][i][m]);
+  };
+  // the blocks stream column by column: each k step asks for the lines of its block's rows kPrefetchBytes later, in
+  // the next block from the end of a row on
+  static const int64_t kAheadTmp = std::getenv("AHEAD") ? std::atoi(std::getenv("AHEAD")) : kPrefetchBytes; const int64_t ahead = std::max<int64_t>(32, kAheadTmp / 2 / 48 / 32 * 32);
+  auto prefetch_tiles = [&](int64_t n, int64_t k, int block) {
+    const int64_t at = k + ahead;
+    const uint16_t* p = at < K ? W + n * K + at : W + (n + block) * K + std::min(at - K, K - 32);
+    for (int i = 0; i < block; ++i) _mm_prefetch((const char*)(p + i * K), _MM_HINT_T1);
+  };
+  for (int64_t i = n0; i < std::min(n1, n0 + 48); ++i) prefetch_start(W + i * K, std::min<int64_t>(ahead, K) * 2);
+  int64_t n = n0;
+  amx_configure<M>(16);
+  for (; n + 48 <= n1; n += 48) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t k = 0; k < K; k += 32) {
+      prefetch_tiles(n, k, 48);
+      _tile_loadd(6, &pairs[k / 2 * M], M * 4);
+      _tile_loadd(3, W + n * K + k, K * 2);
+      _tile_dpbf16ps(0, 3, 6);
+      _tile_loadd(4, W + (n + 16) * K + k, K * 2);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, W + (n + 32) * K + k, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    finish(3, n, 16);
+  }
+  for (; n < n1; n += 16) {               // the rest a block at a time, the last one shorter
+    const int rows = int(std::min<int64_t>(16, n1 - n));
+    if (rows < 16) amx_configure<M>(rows);
+    _tile_zero(0);
+    for (int64_t k = 0; k < K; k += 32) {
+      prefetch_tiles(n, k, 16);
+      _tile_loadd(6, &pairs[k / 2 * M], M * 4);
+      _tile_loadd(3, W + n * K + k, K * 2);
+      _tile_dpbf16ps(0, 3, 6);
+    }
+    finish(1, n, rows);
+  }
+  _tile_release();
+}
+
 template <typename OT, int M>
 void bf16_rows(const uint16_t* x, int64_t K, const uint16_t* W, int64_t n0, int64_t n1, OT* y, int64_t N) {
+  if (M >= kAmxRows && kAmx) return amx_rows<OT, M>(x, K, W, n0, n1, y, N);
   constexpr int R = bf16_rows_per_pass(M);
   int64_t n = n0;
   for (; n + R <= n1; n += R) bf16_block<OT, M, R>(x, K, W, n, y, N);
@@ -637,30 +737,25 @@ struct Group {
   int64_t expert, begin, end, set;
 };
 
-// Rows [n0, n1) of y[m] = W_e x[begin + m] for the M inputs of a group (each row as gemv computes it).
-template <int M>
-void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, int64_t n1, float* y) {
-  const int64_t N = w[0].size(1), e = g.expert;
+// Rows [n0, n1) of y[m] = W_e x[begin + m] for the M inputs of a group (each row as gemv computes it and rounds it
+// to OT). w: a stack of experts ([E, N, K] dense, or int8 / MXFP4 codes and scales), or one matrix ([N, K], e = 0).
+template <int M, typename OT>
+void group_rows(at::TensorList w, const Group& g, const Inputs& x, int64_t n0, int64_t n1, OT* y) {
+  const int64_t N = w[0].size(-2), e = g.expert;
   auto expert_base = [&](int i) {
     return static_cast<const char*>(w[i].data_ptr()) + e * w[i].stride(0) * w[i].element_size();
   };
   if (w.size() == 1) {
-    dense_product<float, M>(x, g.begin, w[0], expert_base(0), n0, n1, y, N);
+    dense_product<OT, M>(x, g.begin, w[0], expert_base(0), n0, n1, y, N);
   } else if (w[0].scalar_type() == torch::kByte) {
-    mxfp4_rows<float, M>(x.row_even(g.begin), x.row_odd(g.begin), w[0].size(2) * 2,
+    mxfp4_rows<OT, M>(x.row_even(g.begin), x.row_odd(g.begin), w[0].size(-1) * 2,
                          (const uint8_t*)expert_base(0), (const uint8_t*)expert_base(1), n0, n1, y, N);
   } else {
-    q8_rows<float, M>(x.row_f(g.begin), w[0].size(2), (const int8_t*)expert_base(0), (const float*)expert_base(1),
+    q8_rows<OT, M>(x.row_f(g.begin), w[0].size(-1), (const int8_t*)expert_base(0), (const float*)expert_base(1),
                       n0, n1, y, N);
   }
 }
 
-// A weight of one matrix ([N, K] dense, or int8 q [N, K] with its scales) as a stack of one expert.
-std::vector<torch::Tensor> stack_of_one(at::TensorList w) {
-  std::vector<torch::Tensor> out;
-  for (const auto& t : w) out.push_back(t.unsqueeze(0));
-  return out;
-}
 
 }  // namespace
 
@@ -789,7 +884,6 @@ torch::Tensor kda_step_typed(const KdaArgs& a, const torch::Tensor& proj, torch:
   const T* Bl = beta_logit.data_ptr<T>(); T* O = out.data_ptr<T>();
   const float* taps_p = taps.data_ptr<float>(); const float* dt = dt_bias.data_ptr<float>();
   const float* dec = decay.data_ptr<float>(); const float* w = o_norm.data_ptr<float>(); float* St = S.data_ptr<float>();
-  const auto fw = stack_of_one(f_b), gw = stack_of_one(g_b);
   const Inputs fx(f_a, f_b[0]);
   const std::optional<Inputs> gx = g_b.empty() ? std::nullopt : std::optional<Inputs>(std::in_place, g, g_b[0]);
   const int64_t K = a.K, HK = a.H * K, g_stride = g.stride(0);
@@ -797,8 +891,8 @@ torch::Tensor kda_step_typed(const KdaArgs& a, const torch::Tensor& proj, torch:
     std::vector<float> rows(HK), f(K), z(K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / a.H, h = t % a.H;
-      head_rows<T>(fw, fx, b, h, K, rows, f.data());
-      if (gx) head_rows<T>(gw, *gx, b, h, K, rows, z.data());
+      head_rows<T>(f_b, fx, b, h, K, rows, f.data());
+      if (gx) head_rows<T>(g_b, *gx, b, h, K, rows, z.data());
       else for (int64_t i = 0; i < K; ++i) z[i] = to_float(G[b * g_stride + h * K + i]);      // a full-rank gate
       kda_head<T>(a, b, h, P, C, taps_p, f.data(), dt, dec, Bl, z.data(), w, St, O);
     }
@@ -860,28 +954,34 @@ namespace {
 using WeightSets = std::array<at::TensorList, 2>;
 
 // y[a] = W_{expert of a} x[a] for every input row a: each expert's weights read once for all its rows, every group
-// in one parallel pass over their output rows; y [rows, N] fp32.
-torch::Tensor experts_product(const WeightSets& w, const std::vector<Group>& groups, const Inputs& x) {
+// in one parallel pass over their output rows; y [rows, N] in `dtype` (fp32 or bf16), each value rounded once.
+torch::Tensor experts_product(const WeightSets& w, const std::vector<Group>& groups, const Inputs& x,
+                              c10::ScalarType dtype) {
   const int64_t N = w[0][0].size(1);
   for (const auto& set : w) {
     if (set.empty()) continue;
-    TORCH_CHECK(set[0].dim() == 3 && set[0].is_contiguous() && (set.size() == 1 || set[1].is_contiguous()) &&
-                set[0].size(1) == N, "stacked expert weights must be contiguous [E, N, ...], N alike");
+    TORCH_CHECK(set[0].dim() >= 2 && set[0].dim() <= 3 && set[0].is_contiguous() &&
+                (set.size() == 1 || set[1].is_contiguous()) && set[0].size(-2) == N,
+                "expert weights must be contiguous, stacked [E, N, ...] or one [N, ...], N alike");
   }
   for (const auto& g : groups)
-    TORCH_CHECK(g.expert >= 0 && g.expert < w[g.set][0].size(0), "expert id out of range");
-  auto y = torch::empty({x.rows(), N}, torch::kFloat);
-  float* out = y.data_ptr<float>();
+    TORCH_CHECK(g.expert >= 0 && g.expert < (w[g.set][0].dim() == 3 ? w[g.set][0].size(0) : 1),
+                "expert id out of range");
+  auto y = torch::empty({x.rows(), N}, torch::TensorOptions().dtype(dtype));
   const int64_t G = groups.size();
-  balanced_for(G * N, 16, [&](int64_t t0, int64_t t1) {
-    while (t0 < t1) {                       // split the range at group boundaries
-      const Group& g = groups[t0 / N];
-      const int64_t n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
-      float* yg = out + g.begin * N;
-      with_rows(g.end - g.begin, [&](auto m) { group_rows<decltype(m)::value>(w[g.set], g, x, n0, n1, yg); });
-      t0 += n1 - n0;
-    }
-  });
+  auto run = [&](auto* out) {
+    balanced_for(G * N, 16, [&](int64_t t0, int64_t t1) {
+      while (t0 < t1) {                       // split the range at group boundaries
+        const Group& g = groups[t0 / N];
+        const int64_t n0 = t0 % N, n1 = std::min(N, n0 + (t1 - t0));
+        auto* yg = out + g.begin * N;
+        with_rows(g.end - g.begin, [&](auto m) { group_rows<decltype(m)::value>(w[g.set], g, x, n0, n1, yg); });
+        t0 += n1 - n0;
+      }
+    });
+  };
+  if (dtype == torch::kBFloat16) run(y.data_ptr<at::BFloat16>());
+  else run(y.data_ptr<float>());
   return y;
 }
 }  // namespace
@@ -919,49 +1019,50 @@ struct ByExpert {
     for (int64_t a = 0; a < A; ++a) slot[next[e_of[a]]++] = a;
     for (int64_t r = 0; r < A; ++r) at[slot[r] / k * k + filled[slot[r] / k]++] = r;
   }
-  torch::Tensor tokens(int64_t k, int64_t then_each = 0) const {    // each row's token, then tokens 0..then_each-1
-    std::vector<int64_t> token(slot.size() + then_each);
-    for (size_t r = 0; r < slot.size(); ++r) token[r] = slot[r] / k;
-    for (int64_t n = 0; n < then_each; ++n) token[slot.size() + n] = n;
-    return torch::tensor(token, torch::kLong);
+  // h's rows in this order, each row's token (k assignments a token), then tokens 0..then_each-1 (a plain copy: an
+  // index_select of a decode step's few rows costs more in ATen's dispatch than in copying)
+  torch::Tensor rows_of(const torch::Tensor& h, int64_t k, int64_t then_each = 0) const {
+    const auto src = h.contiguous();
+    const int64_t A = slot.size(), bytes = h.size(1) * h.element_size();
+    auto x = torch::empty({A + then_each, h.size(1)}, h.options());
+    const char* from = static_cast<const char*>(src.data_ptr());
+    char* to = static_cast<char*>(x.data_ptr());
+    for (int64_t r = 0; r < A; ++r) std::memcpy(to + r * bytes, from + slot[r] / k * bytes, bytes);
+    std::memcpy(to + A * bytes, from, then_each * bytes);
+    return x;
   }
 };
 
-// out[n] = token n's expert results down[r] (rounded to T), each times its routing weight in fp32 and rounded, added
-// in T in ascending expert order: what the loop's index_add_ per expert rounds (summing a token's experts in fp32 and
-// rounding once would differ). down [A, R] in fp32 or T, out [N, R] in T; parallel over tokens.
-template <typename T, typename D>
-void weighted_sums(const ByExpert& by, const D* down, const float* weights, int64_t N, int64_t k, int64_t R, T* out) {
+// out[n] = token n's expert results down[r], each times its routing weight in fp32 and rounded, added in T in
+// ascending expert order: what the loop's index_add_ per expert rounds (summing a token's experts in fp32 and rounding
+// once would differ). down [A, R] and out [N, R] in h's dtype T; parallel over tokens.
+template <typename T>
+void weighted_sums(const ByExpert& by, const T* down, const float* weights, int64_t N, int64_t k, int64_t R, T* out) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       T* sum = out + n * R;
       std::fill(sum, sum + R, T(0.f));
       for (int64_t i = 0; i < k; ++i) {
         const int64_t r = by.at[n * k + i];
-        const D* dr = down + r * R;
+        const T* dr = down + r * R;
         const float weight = weights[by.slot[r]];
-        for (int64_t c = 0; c < R; ++c)
-          sum[c] = T(to_float(sum[c]) + round_to<T>(round_to<T>(to_float(dr[c])) * weight));
+        for (int64_t c = 0; c < R; ++c) sum[c] = T(to_float(sum[c]) + round_to<T>(to_float(dr[c]) * weight));
       }
     }
   });
 }
 
-// weighted_sums of `down` (fp32 or h's dtype) into a new [N, R] tensor in h's dtype
 torch::Tensor weighted_sums(const ByExpert& by, const torch::Tensor& down, const torch::Tensor& weights,
                             const torch::Tensor& h, int64_t k) {
+  TORCH_CHECK(down.scalar_type() == h.scalar_type(), "expert results must be in h's dtype");
   const int64_t N = h.size(0), R = h.size(1);
   auto out = torch::empty({N, R}, h.options());
   const auto w = weights.contiguous();
-  auto run = [&](auto t_zero, auto d_zero) {
-    using T = decltype(t_zero);
-    using D = decltype(d_zero);
-    weighted_sums<T, D>(by, down.data_ptr<D>(), w.data_ptr<float>(), N, k, R, out.data_ptr<T>());
-  };
-  const bool f32_down = down.scalar_type() == torch::kFloat;
-  if (h.scalar_type() == torch::kFloat) run(float{}, float{});
-  else if (f32_down) run(at::BFloat16{}, float{});
-  else run(at::BFloat16{}, at::BFloat16{});
+  if (h.scalar_type() == torch::kFloat)
+    weighted_sums<float>(by, down.data_ptr<float>(), w.data_ptr<float>(), N, k, R, out.data_ptr<float>());
+  else
+    weighted_sums<at::BFloat16>(by, down.data_ptr<at::BFloat16>(), w.data_ptr<float>(), N, k, R,
+                                out.data_ptr<at::BFloat16>());
   return out;
 }
 }  // namespace
@@ -984,19 +1085,17 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
   for (int64_t e = 0; e + 1 < int64_t(by.begin.size()); ++e)
     if (by.begin[e + 1] > by.begin[e]) groups.push_back({e, by.begin[e], by.begin[e + 1], 0});
   if (shared) groups.push_back({0, A, A + B, 1});
-  const auto tokens = by.tokens(k, shared ? B : 0);      // input row -> token: assignments, then every token once
-  const auto shared_w13 = stack_of_one(shared_gate_up), shared_w2 = stack_of_one(shared_down);
-  const auto gate_up = experts_product({w13, shared_w13}, groups, Inputs(h.index_select(0, tokens), w13[0]))
-                           .to(dtype);
+  // input rows: each assignment's token, then every token once for the shared expert
+  const auto gate_up = experts_product({w13, shared_gate_up}, groups, Inputs(by.rows_of(h, k, shared ? B : 0), w13[0]),
+                                       dtype);
   const auto act = [&] {             // the loop's per-expert calls (at most 8 rows each) run on one thread
     c10::ParallelGuard sequential(true);
     return gated_act(gate_up, situ, beta, linear_beta);
   }();
-  const auto down = experts_product({w2, shared_w2}, groups, Inputs(act, w2[0]));       // fp32 [A (+ B), R]
+  const auto down = experts_product({w2, shared_down}, groups, Inputs(act, w2[0]), dtype);     // [A (+ B), R]
   TORCH_CHECK(down.size(1) == R, "w2 experts must map back to h's width ", R);
   const auto out = weighted_sums(by, down, weights, h, k);
-  // the shared expert's rows, rounded once to h's dtype as gemv rounds them
-  return {out, shared ? down.narrow(0, A, B).to(dtype) : torch::empty({0, R}, h.options())};
+  return {out, shared ? down.narrow(0, A, B) : torch::empty({0, R}, h.options())};     // the shared expert's rows
 }
 
 // The routed experts of a prefill chunk (any number of tokens), dense weights [E, 2I, R] and [E, R, I] in h's dtype:
@@ -1018,7 +1117,7 @@ torch::Tensor routed_experts_prefill(const torch::Tensor& h, const torch::Tensor
               w2.size(0) == w13.size(0), "experts must be contiguous [E, 2I, R] and [E, R, I] in h's dtype");
   const int64_t k = ids.size(1), A = ids.numel(), E = w13.size(0), R = h.size(1);
   const ByExpert by(ids, E);
-  const auto rows = h.index_select(0, by.tokens(k));
+  const auto rows = by.rows_of(h, k);
   auto product = [&](const torch::Tensor& x, const torch::Tensor& W) {
     if (x.size(0) <= kMaxRows) return gemv(x, W, false);
     if (widen_from_rows && x.scalar_type() == torch::kBFloat16 && x.size(0) >= *widen_from_rows)
@@ -1059,7 +1158,10 @@ void score_tile(const float* q, int64_t C, const CT* const* rows, float* out, in
   int64_t c = 0;
   for (; c + 16 <= C; c += 16) {
     V16 r[J];
-    for (int j = 0; j < J; ++j) r[j] = load(raw(rows[j] + c));
+    for (int j = 0; j < J; ++j) {
+      prefetch_ahead(rows[j] + c);
+      r[j] = load(raw(rows[j] + c));
+    }
     for (int g = 0; g < G; ++g) {
       const V16 qv = load(q + g * C + c);
       for (int j = 0; j < J; ++j) acc[g][j] = fma(qv, r[j], acc[g][j]);
@@ -1138,6 +1240,7 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / blocks, j0 = t % blocks * kBlock, j1 = std::min(j0 + kBlock, positions[b] + 1);
       if (j1 <= j0) continue;                                // past this row's length
+      if (t == t0 || j0 == 0) prefetch_start(row_of(b, j0), (positions[b] + 1 - j0) * C * int64_t(sizeof(CT)));
       int64_t j = j0;
       for (; j + kScoreRows <= j1; j += kScoreRows) {
         const CT* rows[kScoreRows];
@@ -1572,6 +1675,35 @@ torch::Tensor argmax(const torch::Tensor& x) {
   return out.view(shape);
 }
 
+// The indices of each row's k largest scores, largest first, the lower index first among equals: a stable
+// descending sort's first k (a NaN counts as the largest; -0 and +0 are equal). A MoE router's choice of experts: the
+// sort it replaces cost a decode step 2-3% in ATen's dispatch and scratch tensors.
+torch::Tensor top_k(const torch::Tensor& scores, int64_t k) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == torch::kFloat && k >= 1 && k <= scores.size(1),
+              "scores must be float32 [N, E] and k in 1..E");
+  const auto x = scores.contiguous();
+  const int64_t N = x.size(0), E = x.size(1);
+  auto out = torch::empty({N, k}, torch::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    std::vector<char> taken(E);
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* row = x.data_ptr<float>() + n * E;
+      std::fill(taken.begin(), taken.end(), 0);
+      for (int64_t j = 0; j < k; ++j) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e) {
+          if (taken[e]) continue;
+          if (best < 0 || (std::isnan(row[e]) ? !std::isnan(row[best]) : row[e] > row[best])) best = e;
+        }
+        taken[best] = 1;
+        o[n * k + j] = best;
+      }
+    }
+  });
+  return out;
+}
+
 // Registered as operators (torch.ops.<this build's name>), so torch.compile sees them as single nodes; their
 // shape functions are in ops/cpu_kernels.py.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
@@ -1581,6 +1713,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_mxfp4(Tensor x, Tensor packed, Tensor scales, bool float_out=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("top_k(Tensor scores, int k) -> Tensor");
   m.def("kda_decode_step(Tensor proj, Tensor(a!) conv, Tensor taps, Tensor f_a, Tensor[] f_b, Tensor dt_bias, "
         "Tensor decay, float lower_bound, Tensor beta_logit, Tensor g, Tensor[] g_b, Tensor o_norm, float eps, "
         "bool silu_gate, bool per_channel, Tensor(b!) state, Tensor slots) -> Tensor");
@@ -1601,6 +1734,7 @@ TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("gemv_mxfp4", &gemv_mxfp4);
   m.impl("rms_norm", &rms_norm);
   m.impl("argmax", &argmax);
+  m.impl("top_k", &top_k);
   m.impl("kda_decode_step", &kda_decode_step);
   m.impl("routed_experts", &routed_experts);
   m.impl("routed_experts_prefill", &routed_experts_prefill);

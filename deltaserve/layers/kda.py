@@ -90,6 +90,7 @@ class KimiDeltaAttention(nn.Module):
         self.fused_step = kernels() if fused_decode(self.conv) else None
         self.taps_2d = self.taps.squeeze(1).contiguous()
         self.taps_by_tap = self.taps_2d.t().contiguous()                     # [W, 3P]: the prefill kernel's
+        self.o_norm_f32 = self.o_norm.float()             # the decode kernel's (not converted at every step)
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
         B, T, _ = x.shape
@@ -127,7 +128,7 @@ class KimiDeltaAttention(nn.Module):
         g_b = [] if self.full_rank_gate else weight_parts(self.g_b)
         o = self.fused_step.kda_decode_step(qkv, state.pool_tensor(self.layer, "conv"), self.taps_2d, f_a,
                                             weight_parts(self.f_b), self.dt_bias, self.decay_rate, self.bound or 0.0, b,
-                                            g, g_b, self.o_norm, self.eps, self.gate_activation == "silu",
+                                            g, g_b, self.o_norm_f32, self.eps, self.gate_activation == "silu",
                                             self.per_channel, state.pool_tensor(self.layer, "recurrent"),
                                             state.slot_ids)
         return linear(o, self.o_proj).unsqueeze(1)

@@ -37,7 +37,7 @@ _loaded: dict[str, Any] = {}      # a plain dict, not functools.cache: torch.com
 
 def kernels() -> Any:
     """The operators' namespace, torch.ops.<build name> (gemv, gemv_q8, gemv_mxfp4, rms_norm, kda_decode_step,
-    mla_decode, routed_experts, argmax; kda_chunk_inputs, kda_chunk_prepare, routed_experts_prefill), or None."""
+    mla_decode, routed_experts, argmax, top_k; kda_chunk_inputs, kda_chunk_prepare, routed_experts_prefill), or None."""
     if "ops" not in _loaded:
         _loaded["ops"] = _load()
     return _loaded["ops"]
@@ -80,6 +80,7 @@ def _register_shapes(ns: str) -> None:
     fake("gemv_mxfp4")(lambda x, packed, scales, float_out=False: _rows_out(x, packed.shape[0], float_out))
     fake("rms_norm")(lambda x, weight, eps: torch.empty_like(x, memory_format=torch.contiguous_format))
     fake("argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
+    fake("top_k")(lambda scores, k: scores.new_empty(scores.shape[0], k, dtype=torch.long))
     fake("kda_decode_step")(lambda proj, conv, taps, f_a, f_b, dt_bias, decay, lower_bound, beta_logit, g, g_b,
                             o_norm, eps, silu_gate, per_channel, state, slots:
                             proj.new_empty(proj.shape[0], state.shape[1] * state.shape[2]))
