@@ -2,7 +2,8 @@
 // (M <= 8) against weights stored as fp32, bf16 or MXFP4 (packed E2M1 codes, low nibble = even element, one E8M0
 // scale per 32). Decode is memory-bound: each weight is read once for all M rows, widened to fp32 in registers
 // (bf16: a shift; MXFP4: a table lookup by permute) and accumulated in fp32. Each row of y is computed by one thread
-// in a fixed order, so a row's result does not depend on M, on the other rows or on the thread count.
+// in a fixed order, so a row's result does not depend on M, on the other rows or on the thread count (except bf16 x
+// bf16 products of 4+ rows on CPUs with AMX, which use tiles: see amx_rows).
 #include <torch/all.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -364,27 +365,23 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, in
                                                            int64_t n0, int64_t n1, OT* y, int64_t N) {
   thread_local std::vector<uint32_t> pairs;     // x as [K/2][M] pairs of bf16: the input tiles' layout
   pairs.resize(K / 2 * M);
-  const auto* x2 = reinterpret_cast<const uint32_t*>(x);
   for (int64_t p = 0; p < K / 2; ++p)
-    for (int m = 0; m < M; ++m) pairs[p * M + m] = x2[m * K / 2 + p];
+    for (int m = 0; m < M; ++m) std::memcpy(&pairs[p * M + m], x + m * K + 2 * p, 4);
   alignas(64) float c[3][16][M];
-  auto finish = [&](int tiles, int64_t n, int rows) {
-    if (tiles > 0) _tile_stored(0, c[0], M * 4);
-    if (tiles > 1) _tile_stored(1, c[1], M * 4);
-    if (tiles > 2) _tile_stored(2, c[2], M * 4);
+  auto write = [&](int tiles, int64_t n, int rows) {       // the sums stored from tiles 0..tiles-1 into c
     for (int t = 0; t < tiles; ++t)
       for (int i = 0; i < rows; ++i)
         for (int m = 0; m < M; ++m) store(y + m * N + n + 16 * t + i, c[t][i][m]);
   };
-  // the blocks stream column by column: each k step asks for the lines of its block's rows kPrefetchBytes later, in
-  // the next block from the end of a row on
-  static const int64_t kAheadTmp = std::getenv("AHEAD") ? std::atoi(std::getenv("AHEAD")) : kPrefetchBytes; const int64_t ahead = std::max<int64_t>(32, kAheadTmp / 2 / 48 / 32 * 32);
+  // the blocks stream column by column: each k step asks for the lines its block's rows reach ~kPrefetchBytes of the
+  // stream later, in the next block from the end of a row on
+  constexpr int64_t ahead = kPrefetchBytes / 2 / 48 / 32 * 32;
   auto prefetch_tiles = [&](int64_t n, int64_t k, int block) {
     const int64_t at = k + ahead;
     const uint16_t* p = at < K ? W + n * K + at : W + (n + block) * K + std::min(at - K, K - 32);
     for (int i = 0; i < block; ++i) _mm_prefetch((const char*)(p + i * K), _MM_HINT_T1);
   };
-  for (int64_t i = n0; i < std::min(n1, n0 + 48); ++i) prefetch_start(W + i * K, std::min<int64_t>(ahead, K) * 2);
+  for (int64_t i = n0; i < std::min(n1, n0 + 48); ++i) prefetch_start(W + i * K, std::min(ahead, K) * 2);
   int64_t n = n0;
   amx_configure<M>(16);
   for (; n + 48 <= n1; n += 48) {
@@ -401,7 +398,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, in
       _tile_loadd(5, W + (n + 32) * K + k, K * 2);
       _tile_dpbf16ps(2, 5, 6);
     }
-    finish(3, n, 16);
+    _tile_stored(0, c[0], M * 4);
+    _tile_stored(1, c[1], M * 4);
+    _tile_stored(2, c[2], M * 4);
+    write(3, n, 16);
   }
   for (; n < n1; n += 16) {               // the rest a block at a time, the last one shorter
     const int rows = int(std::min<int64_t>(16, n1 - n));
@@ -413,7 +413,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, in
       _tile_loadd(3, W + n * K + k, K * 2);
       _tile_dpbf16ps(0, 3, 6);
     }
-    finish(1, n, rows);
+    _tile_stored(0, c[0], M * 4);
+    write(1, n, rows);
   }
   _tile_release();
 }
@@ -427,7 +428,7 @@ void bf16_rows(const uint16_t* x, int64_t K, const uint16_t* W, int64_t n0, int6
   for (; n < n1; ++n) bf16_block<OT, M, 1>(x, K, W, n, y, N);
 }
 #else
-constexpr bool kBf16Dot = false;       // vdpbf16ps is AVX-512 only
+constexpr bool kBf16Dot = false, kAmx = false;       // vdpbf16ps and the tiles are AVX-512 only
 #endif
 
 // 2^(s - 127): the float whose exponent field is s (s = 0, below the normal range, is 2^-127 = bit 22 alone)
@@ -957,7 +958,7 @@ using WeightSets = std::array<at::TensorList, 2>;
 // in one parallel pass over their output rows; y [rows, N] in `dtype` (fp32 or bf16), each value rounded once.
 torch::Tensor experts_product(const WeightSets& w, const std::vector<Group>& groups, const Inputs& x,
                               c10::ScalarType dtype) {
-  const int64_t N = w[0][0].size(1);
+  const int64_t N = w[0][0].size(-2);
   for (const auto& set : w) {
     if (set.empty()) continue;
     TORCH_CHECK(set[0].dim() >= 2 && set[0].dim() <= 3 && set[0].is_contiguous() &&
@@ -1704,6 +1705,9 @@ torch::Tensor top_k(const torch::Tensor& scores, int64_t k) {
   return out;
 }
 
+// Whether bf16 products of kAmxRows rows or more run on AMX tiles here.
+bool uses_amx() { return kAmx; }
+
 // Registered as operators (torch.ops.<this build's name>), so torch.compile sees them as single nodes; their
 // shape functions are in ops/cpu_kernels.py.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
@@ -1714,6 +1718,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("top_k(Tensor scores, int k) -> Tensor");
+  m.def("uses_amx() -> bool", &uses_amx);         // no tensors to dispatch on: one kernel for every key
   m.def("kda_decode_step(Tensor proj, Tensor(a!) conv, Tensor taps, Tensor f_a, Tensor[] f_b, Tensor dt_bias, "
         "Tensor decay, float lower_bound, Tensor beta_logit, Tensor g, Tensor[] g_b, Tensor o_norm, float eps, "
         "bool silu_gate, bool per_channel, Tensor(b!) state, Tensor slots) -> Tensor");

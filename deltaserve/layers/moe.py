@@ -27,7 +27,7 @@ def top_k_lowest_index_on_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores per row ([N, E] fp32), largest first; among equal scores the lower index wins
     (as the reference's iterative argmax), which torch.topk does not promise. A stable descending sort does, and the
     CPU kernel gives its first k without one."""
-    cpu = kernels() if scores.device.type == "cpu" else None
+    cpu = kernels() if scores.device.type == "cpu" and scores.dim() == 2 and scores.dtype == torch.float32 else None
     if cpu is not None:
         return cpu.top_k(scores, k)
     return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
