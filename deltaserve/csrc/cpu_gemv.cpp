@@ -297,6 +297,8 @@ void dense_rows(const float* x, int64_t K, const WT* W, int64_t n0, int64_t n1, 
   for (; n < n1; ++n) dense_block<WT, OT, M, 1>(x, K, W, n, y, N);
 }
 
+constexpr int kAmxRows = 4;            // bf16 products of this many rows or more use AMX tiles (amx_rows)
+
 #if defined(__AVX512F__)
 // bf16 weights times bf16 inputs on CPUs with AVX512-BF16: one vdpbf16ps multiplies 32 pairs (exactly: a product of
 // two bf16 values fits in fp32) and adds them to 16 fp32 sums, two to a lane in a fixed order. Twice the products of
@@ -341,7 +343,6 @@ bool amx_permitted() {
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
 }
 const bool kAmx = kBf16Dot && amx_permitted();
-constexpr int kAmxRows = 4;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -360,13 +361,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
+// pairs: the M input rows as pairs of bf16, pair p of row m at pairs[p * stride + m] (the input tiles' layout, made
+// once per product by Inputs).
 template <typename OT, int M>
-__attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, int64_t K, const uint16_t* W,
-                                                           int64_t n0, int64_t n1, OT* y, int64_t N) {
-  thread_local std::vector<uint32_t> pairs;     // x as [K/2][M] pairs of bf16: the input tiles' layout
-  pairs.resize(K / 2 * M);
-  for (int64_t p = 0; p < K / 2; ++p)
-    for (int m = 0; m < M; ++m) std::memcpy(&pairs[p * M + m], x + m * K + 2 * p, 4);
+__attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint32_t* pairs, int64_t stride, int64_t K,
+                                                           const uint16_t* W, int64_t n0, int64_t n1, OT* y, int64_t N) {
   alignas(64) float c[3][16][M];
   auto write = [&](int tiles, int64_t n, int rows) {       // the sums stored from tiles 0..tiles-1 into c
     for (int t = 0; t < tiles; ++t)
@@ -390,7 +389,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, in
     _tile_zero(2);
     for (int64_t k = 0; k < K; k += 32) {
       prefetch_tiles(n, k, 48);
-      _tile_loadd(6, &pairs[k / 2 * M], M * 4);
+      _tile_loadd(6, pairs + k / 2 * stride, stride * 4);
       _tile_loadd(3, W + n * K + k, K * 2);
       _tile_dpbf16ps(0, 3, 6);
       _tile_loadd(4, W + (n + 16) * K + k, K * 2);
@@ -409,7 +408,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, in
     _tile_zero(0);
     for (int64_t k = 0; k < K; k += 32) {
       prefetch_tiles(n, k, 16);
-      _tile_loadd(6, &pairs[k / 2 * M], M * 4);
+      _tile_loadd(6, pairs + k / 2 * stride, stride * 4);
       _tile_loadd(3, W + n * K + k, K * 2);
       _tile_dpbf16ps(0, 3, 6);
     }
@@ -419,9 +418,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* x, in
   _tile_release();
 }
 
+// pairs (with its stride): x as amx_rows takes it, or null where the tiles are not used
 template <typename OT, int M>
-void bf16_rows(const uint16_t* x, int64_t K, const uint16_t* W, int64_t n0, int64_t n1, OT* y, int64_t N) {
-  if (M >= kAmxRows && kAmx) return amx_rows<OT, M>(x, K, W, n0, n1, y, N);
+void bf16_rows(const uint16_t* x, const uint32_t* pairs, int64_t stride, int64_t K, const uint16_t* W, int64_t n0,
+               int64_t n1, OT* y, int64_t N) {
+  if (M >= kAmxRows && pairs) return amx_rows<OT, M>(pairs, stride, K, W, n0, n1, y, N);
   constexpr int R = bf16_rows_per_pass(M);
   int64_t n = n0;
   for (; n + R <= n1; n += R) bf16_block<OT, M, R>(x, K, W, n, y, N);
@@ -594,13 +595,19 @@ struct Inputs {
   const uint16_t* b = nullptr;
   const float *f = nullptr, *even = nullptr, *odd = nullptr;
 
-  Inputs(const torch::Tensor& x, const torch::Tensor& W)
+  // widest: the most rows one product reads from these (all of them by default; a group's, for experts)
+  Inputs(const torch::Tensor& x, const torch::Tensor& W, int64_t widest = -1)
       : M(0), K(W.size(-1) * (W.scalar_type() == torch::kByte ? 2 : 1)) {
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "x must be [..., ", K, "]");
     M = x.numel() / K;
     const bool dense = x.is_contiguous();
     if (kBf16Dot && x.scalar_type() == torch::kBFloat16 && W.scalar_type() == torch::kBFloat16 && K % 32 == 0) {
       b = static_cast<const uint16_t*>((dense ? x : hold_ = x.contiguous()).data_ptr());
+      if (kAmx && (widest < 0 ? M : widest) >= kAmxRows) {   // the tiles' layout, once for every chunk of rows
+        pairs_.resize(K / 2 * M);
+        for (int64_t p = 0; p < K / 2; ++p)
+          for (int64_t m = 0; m < M; ++m) std::memcpy(&pairs_[p * M + m], b + m * K + 2 * p, 4);
+      }
       return;
     }
     if (dense && x.scalar_type() == torch::kFloat) {
@@ -617,9 +624,9 @@ struct Inputs {
       f = hold_.data_ptr<float>();
     }
     if (W.scalar_type() == torch::kByte) {
-      pairs_.resize(M * K);
-      for (int64_t i = 0; i < M * K / 2; ++i) pairs_[i] = f[2 * i], pairs_[M * K / 2 + i] = f[2 * i + 1];
-      even = pairs_.data(), odd = pairs_.data() + M * K / 2;
+      split_.resize(M * K);
+      for (int64_t i = 0; i < M * K / 2; ++i) split_[i] = f[2 * i], split_[M * K / 2 + i] = f[2 * i + 1];
+      even = split_.data(), odd = split_.data() + M * K / 2;
     }
   }
   int64_t rows() const { return M; }
@@ -632,10 +639,13 @@ struct Inputs {
   const float* row_even(int64_t i) const { return even + i * K / 2; }
   const float* row_odd(int64_t i) const { return odd + i * K / 2; }
   const uint16_t* row_b(int64_t i) const { return b + i * K; }
+  // row i on in amx_rows's layout (pair p of row i + m at [p * M + m]), or null where the tiles are not used
+  const uint32_t* pairs(int64_t i) const { return pairs_.empty() ? nullptr : pairs_.data() + i; }
 
  private:
   torch::Tensor hold_;
-  std::vector<float> own_, pairs_;
+  std::vector<float> own_, split_;
+  std::vector<uint32_t> pairs_;
 };
 
 // The result of a product of x's rows ([..., N]): each value rounded to x's dtype, and given back in it or, with
@@ -672,7 +682,8 @@ void dense_product(const Inputs& x, int64_t row0, const torch::Tensor& W, const 
   const int64_t K = W.size(-1);
 #if defined(__AVX512F__)
   if (x.b)
-    return bf16_rows<OT, M>(x.row_b(row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
+    return bf16_rows<OT, M>(x.row_b(row0), x.pairs(row0), x.M, K, reinterpret_cast<const uint16_t*>(base), n0, n1, y,
+                            N);
 #endif
   if (W.scalar_type() == torch::kBFloat16)
     dense_rows<uint16_t, OT, M>(x.row_f(row0), K, reinterpret_cast<const uint16_t*>(base), n0, n1, y, N);
@@ -885,8 +896,8 @@ torch::Tensor kda_step_typed(const KdaArgs& a, const torch::Tensor& proj, torch:
   const T* Bl = beta_logit.data_ptr<T>(); T* O = out.data_ptr<T>();
   const float* taps_p = taps.data_ptr<float>(); const float* dt = dt_bias.data_ptr<float>();
   const float* dec = decay.data_ptr<float>(); const float* w = o_norm.data_ptr<float>(); float* St = S.data_ptr<float>();
-  const Inputs fx(f_a, f_b[0]);
-  const std::optional<Inputs> gx = g_b.empty() ? std::nullopt : std::optional<Inputs>(std::in_place, g, g_b[0]);
+  const Inputs fx(f_a, f_b[0], 1);                       // read a row at a time (head_rows)
+  const std::optional<Inputs> gx = g_b.empty() ? std::nullopt : std::optional<Inputs>(std::in_place, g, g_b[0], 1);
   const int64_t K = a.K, HK = a.H * K, g_stride = g.stride(0);
   at::parallel_for(0, a.B * a.H, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> rows(HK), f(K), z(K);
@@ -1087,13 +1098,15 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
     if (by.begin[e + 1] > by.begin[e]) groups.push_back({e, by.begin[e], by.begin[e + 1], 0});
   if (shared) groups.push_back({0, A, A + B, 1});
   // input rows: each assignment's token, then every token once for the shared expert
-  const auto gate_up = experts_product({w13, shared_gate_up}, groups, Inputs(by.rows_of(h, k, shared ? B : 0), w13[0]),
-                                       dtype);
+  int64_t widest = 0;
+  for (const auto& g : groups) widest = std::max(widest, g.end - g.begin);
+  const auto gate_up = experts_product({w13, shared_gate_up}, groups,
+                                       Inputs(by.rows_of(h, k, shared ? B : 0), w13[0], widest), dtype);
   const auto act = [&] {             // the loop's per-expert calls (at most 8 rows each) run on one thread
     c10::ParallelGuard sequential(true);
     return gated_act(gate_up, situ, beta, linear_beta);
   }();
-  const auto down = experts_product({w2, shared_down}, groups, Inputs(act, w2[0]), dtype);     // [A (+ B), R]
+  const auto down = experts_product({w2, shared_down}, groups, Inputs(act, w2[0], widest), dtype);   // [A (+ B), R]
   TORCH_CHECK(down.size(1) == R, "w2 experts must map back to h's width ", R);
   const auto out = weighted_sums(by, down, weights, h, k);
   return {out, shared ? down.narrow(0, A, B) : torch::empty({0, R}, h.options())};     // the shared expert's rows
