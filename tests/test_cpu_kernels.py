@@ -206,7 +206,8 @@ def test_kda_chunk_inputs_equal_the_op_by_op_ones(dtype, variant):
 @pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                      (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("H", [1, 2, 4, 8, 19])   # context tiles of 1, 2, 4, 8, 16 + 1 heads (AVX-512); scores 8 + 1
-def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype, H):
+@pytest.mark.parametrize("rank", [40, 56])   # rank + rope 48 or 64: bf16 x bf16 scores on AMX tiles at multiples of 32
+def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype, H, rank):
     """The MLA decode kernel (fold W_UK into the query, write the new latent in place, attend over the slot's own
     length, apply W_UV) vs the op-by-op absorbed attention over the gathered cache with its mask, for rows of
     different lengths in non-contiguous slots."""
@@ -215,7 +216,7 @@ def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype, H):
     from deltaserve.state import StatePool
     from deltaserve.models.spec import StateSpec
     g = torch.Generator().manual_seed(3)
-    rank, rope, nope, v, slots, starts = 40, 8, 24, 16, [5, 0, 2], [0, 37, 300]
+    rope, nope, v, slots, starts = 8, 24, 16, [5, 0, 2], [0, 37, 300]
     pool = StatePool({0: {"latent": StateSpec((rank + rope,), cache_dtype, per_token=True)}}, 6, 400)
     pool.tensors[0, "latent"].copy_(torch.randn(6, 400, rank + rope, generator=g))
     w_kv = (torch.randn(H, nope + v, rank, generator=g) * 0.2).to(query_dtype)        # kv_b_proj, per head

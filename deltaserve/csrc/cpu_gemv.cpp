@@ -1242,20 +1242,50 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
     Lmax = std::max(Lmax, positions[b] + 1);
   }
   auto row_of = [&](int64_t b, int64_t j) -> const CT* { return cache + slots[b] * slot_stride + j * C; };
-  std::vector<float> q(B * H * C);                   // queries in fp32
   const int64_t Lp = (Lmax + 15) / 16 * 16;
   std::unique_ptr<float[]> p(new float[B * H * Lp]);      // scores, then probabilities [B, H, Lp]
-  for (int64_t i = 0; i < B * H * C; ++i) q[i] = to_float(query[i]);
   // scores: a task is 16 positions of one row, every head; kScoreRows cache rows at a time share each query load
   constexpr int64_t kBlock = 16;
   const int64_t blocks = (Lmax + kBlock - 1) / kBlock;
   const V16 scale_v = set1(scale);
+  // A bf16 query and cache on a CPU with AMX: a block's scores for 8 heads at a time as one tile product (the cache
+  // rows as the weight tiles, the heads as the inputs, in amx_rows's pair layout); the FMA form is bound by its
+  // arithmetic once the cache is in L2 (long contexts, many heads).
+  std::vector<uint32_t> head_pairs;
+  [[maybe_unused]] auto tile_scores = [&](int64_t b, int64_t j0, int64_t j1) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<QT, at::BFloat16> && std::is_same_v<CT, at::BFloat16>) {
+      for (int64_t h = 0; h < H; h += 8)
+        with_rows(std::min<int64_t>(8, H - h), [&](auto m) {
+          amx_rows<float, decltype(m)::value>(&head_pairs[b * C / 2 * H + h], H, C, raw(row_of(b, 0)), j0, j1,
+                                              &p[(b * H + h) * Lp], Lp);
+        });
+    }
+#endif
+  };
+  const bool tiles = kAmx && std::is_same_v<QT, at::BFloat16> && std::is_same_v<CT, at::BFloat16> && C % 32 == 0;
+  std::vector<float> q;                                  // else the queries in fp32
+  if (tiles) {                                           // [B][C/2 pairs][H]
+    head_pairs.resize(B * C / 2 * H);
+    const auto* qb = reinterpret_cast<const uint16_t*>(query);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < C / 2; ++i)
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(&head_pairs[(b * C / 2 + i) * H + h], qb + (b * H + h) * C + 2 * i, 4);
+  } else {
+    q.resize(B * H * C);
+    for (int64_t i = 0; i < B * H * C; ++i) q[i] = to_float(query[i]);
+  }
   at::parallel_for(0, B * blocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / blocks, j0 = t % blocks * kBlock, j1 = std::min(j0 + kBlock, positions[b] + 1);
       if (j1 <= j0) continue;                                // past this row's length
       if (t == t0 || j0 == 0) prefetch_start(row_of(b, j0), (positions[b] + 1 - j0) * C * int64_t(sizeof(CT)));
       int64_t j = j0;
+      if (tiles) {
+        tile_scores(b, j0, j1);
+        j = j1;
+      }
       for (; j + kScoreRows <= j1; j += kScoreRows) {
         const CT* rows[kScoreRows];
         for (int i = 0; i < kScoreRows; ++i) rows[i] = row_of(b, j + i);
