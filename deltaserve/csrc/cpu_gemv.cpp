@@ -586,6 +586,12 @@ struct Q8Rows {
   }
 };
 
+// M rows of K bf16 as amx_rows's input layout: out[p * M + m] = pair p (elements 2p, 2p + 1) of row m
+inline void pack_pairs(const uint16_t* rows, int64_t M, int64_t K, uint32_t* out) {
+  for (int64_t p = 0; p < K / 2; ++p)
+    for (int64_t m = 0; m < M; ++m) std::memcpy(&out[p * M + m], rows + m * K + 2 * p, 4);
+}
+
 // Rows of inputs ([..., K] -> M rows of K) in the forms the kernels read for weights W: bf16 as they are for bf16
 // weights on a CPU with AVX512-BF16, else fp32, and for MXFP4 (uint8 W) their even and odd elements apart. Rows
 // already in that form are read in place (x must outlive this object); others are converted once, into buffers this
@@ -605,8 +611,7 @@ struct Inputs {
       b = static_cast<const uint16_t*>((dense ? x : hold_ = x.contiguous()).data_ptr());
       if (kAmx && (widest < 0 ? M : widest) >= kAmxRows) {   // the tiles' layout, once for every chunk of rows
         pairs_.resize(K / 2 * M);
-        for (int64_t p = 0; p < K / 2; ++p)
-          for (int64_t m = 0; m < M; ++m) std::memcpy(&pairs_[p * M + m], b + m * K + 2 * p, 4);
+        pack_pairs(b, M, K, pairs_.data());
       }
       return;
     }
@@ -1268,10 +1273,7 @@ void mla_rows(const QT* query, CT* cache, const QT* latent, const int64_t* slots
   if (tiles) {                                           // [B][C/2 pairs][H]
     head_pairs.resize(B * C / 2 * H);
     const auto* qb = reinterpret_cast<const uint16_t*>(query);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < C / 2; ++i)
-        for (int64_t h = 0; h < H; ++h)
-          std::memcpy(&head_pairs[(b * C / 2 + i) * H + h], qb + (b * H + h) * C + 2 * i, 4);
+    for (int64_t b = 0; b < B; ++b) pack_pairs(qb + b * H * C, H, C, &head_pairs[b * C / 2 * H]);
   } else {
     q.resize(B * H * C);
     for (int64_t i = 0; i < B * H * C; ++i) q[i] = to_float(query[i]);
