@@ -1020,13 +1020,15 @@ torch::Tensor gated_act(const torch::Tensor& gate_up, bool situ, double beta, do
 
 // Token-to-expert assignments a = n k + j (ids [N, k]) grouped by expert: slot[r] is the assignment at row r, experts
 // in ascending order and each expert's assignments in slot order, expert e's rows [begin[e], begin[e + 1]); at[n k + i]
-// is the row of token n's i-th smallest expert.
+// is the row of token n's i-th smallest expert; k assignments a token.
 struct ByExpert {
+  int64_t k;
   std::vector<int64_t> slot, begin, at;
-  ByExpert(const torch::Tensor& ids, int64_t E) : slot(ids.numel()), begin(E + 1, 0), at(ids.numel()) {
+  ByExpert(const torch::Tensor& ids, int64_t E)
+      : k(ids.size(1)), slot(ids.numel()), begin(E + 1, 0), at(ids.numel()) {
     const auto id = ids.contiguous();
     const int64_t* e_of = id.data_ptr<int64_t>();
-    const int64_t A = ids.numel(), k = ids.size(1);
+    const int64_t A = ids.numel();
     for (int64_t a = 0; a < A; ++a) {
       TORCH_CHECK(e_of[a] >= 0 && e_of[a] < E, "expert id out of range");
       ++begin[e_of[a] + 1];
@@ -1036,9 +1038,9 @@ struct ByExpert {
     for (int64_t a = 0; a < A; ++a) slot[next[e_of[a]]++] = a;
     for (int64_t r = 0; r < A; ++r) at[slot[r] / k * k + filled[slot[r] / k]++] = r;
   }
-  // h's rows in this order, each row's token (k assignments a token), then tokens 0..then_each-1 (a plain copy: an
-  // index_select of a decode step's few rows costs more in ATen's dispatch than in copying)
-  torch::Tensor rows_of(const torch::Tensor& h, int64_t k, int64_t then_each = 0) const {
+  // h's rows in this order, each row's token, then tokens 0..then_each-1 (a plain copy: an index_select of a decode
+  // step's few rows costs more in ATen's dispatch than in copying)
+  torch::Tensor rows_of(const torch::Tensor& h, int64_t then_each = 0) const {
     const auto src = h.contiguous();
     const int64_t A = slot.size(), bytes = h.size(1) * h.element_size();
     auto x = torch::empty({A + then_each, h.size(1)}, h.options());
@@ -1054,7 +1056,8 @@ struct ByExpert {
 // ascending expert order: what the loop's index_add_ per expert rounds (summing a token's experts in fp32 and rounding
 // once would differ). down [A, R] and out [N, R] in h's dtype T; parallel over tokens.
 template <typename T>
-void weighted_sums(const ByExpert& by, const T* down, const float* weights, int64_t N, int64_t k, int64_t R, T* out) {
+void weighted_sums(const ByExpert& by, const T* down, const float* weights, int64_t N, int64_t R, T* out) {
+  const int64_t k = by.k;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       T* sum = out + n * R;
@@ -1070,15 +1073,15 @@ void weighted_sums(const ByExpert& by, const T* down, const float* weights, int6
 }
 
 torch::Tensor weighted_sums(const ByExpert& by, const torch::Tensor& down, const torch::Tensor& weights,
-                            const torch::Tensor& h, int64_t k) {
+                            const torch::Tensor& h) {
   TORCH_CHECK(down.scalar_type() == h.scalar_type(), "expert results must be in h's dtype");
   const int64_t N = h.size(0), R = h.size(1);
   auto out = torch::empty({N, R}, h.options());
   const auto w = weights.contiguous();
   if (h.scalar_type() == torch::kFloat)
-    weighted_sums<float>(by, down.data_ptr<float>(), w.data_ptr<float>(), N, k, R, out.data_ptr<float>());
+    weighted_sums<float>(by, down.data_ptr<float>(), w.data_ptr<float>(), N, R, out.data_ptr<float>());
   else
-    weighted_sums<at::BFloat16>(by, down.data_ptr<at::BFloat16>(), w.data_ptr<float>(), N, k, R,
+    weighted_sums<at::BFloat16>(by, down.data_ptr<at::BFloat16>(), w.data_ptr<float>(), N, R,
                                 out.data_ptr<at::BFloat16>());
   return out;
 }
@@ -1095,7 +1098,7 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat, "weights must be fp32 [N, k]");
   TORCH_CHECK(shared_gate_up.empty() == shared_down.empty(), "the shared expert needs both its gate/up and down");
   const auto dtype = h.scalar_type();
-  const int64_t k = ids.size(1), A = ids.numel(), B = h.size(0), R = h.size(1);
+  const int64_t A = ids.numel(), B = h.size(0), R = h.size(1);
   const bool shared = !shared_gate_up.empty();
   const ByExpert by(ids, w13[0].size(0));
   std::vector<Group> groups;                             // a token's experts are distinct: at most 8 rows a group
@@ -1106,14 +1109,14 @@ std::tuple<torch::Tensor, torch::Tensor> routed_experts(
   int64_t widest = 0;
   for (const auto& g : groups) widest = std::max(widest, g.end - g.begin);
   const auto gate_up = experts_product({w13, shared_gate_up}, groups,
-                                       Inputs(by.rows_of(h, k, shared ? B : 0), w13[0], widest), dtype);
+                                       Inputs(by.rows_of(h, shared ? B : 0), w13[0], widest), dtype);
   const auto act = [&] {             // the loop's per-expert calls (at most 8 rows each) run on one thread
     c10::ParallelGuard sequential(true);
     return gated_act(gate_up, situ, beta, linear_beta);
   }();
   const auto down = experts_product({w2, shared_down}, groups, Inputs(act, w2[0], widest), dtype);   // [A (+ B), R]
   TORCH_CHECK(down.size(1) == R, "w2 experts must map back to h's width ", R);
-  const auto out = weighted_sums(by, down, weights, h, k);
+  const auto out = weighted_sums(by, down, weights, h);
   return {out, shared ? down.narrow(0, A, B) : torch::empty({0, R}, h.options())};     // the shared expert's rows
 }
 
@@ -1134,9 +1137,9 @@ torch::Tensor routed_experts_prefill(const torch::Tensor& h, const torch::Tensor
               w13.scalar_type() == h.scalar_type() && w2.scalar_type() == h.scalar_type() &&
               w13.size(2) == h.size(1) && w2.size(1) == h.size(1) && w13.size(1) == 2 * w2.size(2) &&
               w2.size(0) == w13.size(0), "experts must be contiguous [E, 2I, R] and [E, R, I] in h's dtype");
-  const int64_t k = ids.size(1), A = ids.numel(), E = w13.size(0), R = h.size(1);
+  const int64_t A = ids.numel(), E = w13.size(0), R = h.size(1);
   const ByExpert by(ids, E);
-  const auto rows = by.rows_of(h, k);
+  const auto rows = by.rows_of(h);
   auto product = [&](const torch::Tensor& x, const torch::Tensor& W) {
     if (x.size(0) <= kMaxRows) return gemv(x, W, false);
     if (widen_from_rows && x.scalar_type() == torch::kBFloat16 && x.size(0) >= *widen_from_rows)
@@ -1150,7 +1153,7 @@ torch::Tensor routed_experts_prefill(const torch::Tensor& h, const torch::Tensor
       down.narrow(0, begin, n)
           .copy_(product(gated_act(product(rows.narrow(0, begin, n), w13[e]), situ, beta, linear_beta), w2[e]));
   }
-  return weighted_sums(by, down, weights, h, k);
+  return weighted_sums(by, down, weights, h);
 }
 
 // One decode step of latent attention (MLA, absorbed form; layers/mla.py) for a batch whose rows live in cache slots:
