@@ -117,18 +117,21 @@ class MoE(nn.Module):
         gate, up = linear(h, self.w13[e]).chunk(2, dim=-1)
         return linear(qdq(self.act(gate, up)), self.w2[e])
 
+    def _cpu_kernels(self, h: torch.Tensor):
+        """The CPU kernels where they can run this layer's experts on h (fp32 or bf16 rows on a CPU), else None."""
+        return (kernels() if h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16)
+                and not self.cfg.expert_input_mxfp8 else None)
+
     def _decode_kernels(self, h: torch.Tensor):
         """The CPU kernels when they run this step's routed experts (decode: up to 8 tokens), else None."""
-        return (kernels() if h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16)
-                and h.shape[0] <= MAX_ROWS and not self.cfg.expert_input_mxfp8 else None)
+        return self._cpu_kernels(h) if h.shape[0] <= MAX_ROWS else None
 
     def _prefill_kernels(self, h: torch.Tensor):
         """The CPU kernels when they run a prefill chunk's routed experts (dense contiguous weights in h's dtype; int8
         can leave one of w13 and w2 dense), else None."""
         stacks = [getattr(self, name, None) for name in ("w13", "w2")]
         dense = all(isinstance(w, torch.Tensor) and w.dtype == h.dtype and w.is_contiguous() for w in stacks)
-        return (kernels() if dense and h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16)
-                and not self.cfg.expert_input_mxfp8 else None)
+        return self._cpu_kernels(h) if dense else None
 
     @property
     def fuses_shared(self) -> bool:
