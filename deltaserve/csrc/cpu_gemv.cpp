@@ -1189,7 +1189,8 @@ void score_tile(const float* q, int64_t C, const CT* const* rows, float* out, in
       r[j] = load(raw(rows[j] + c));
     }
     for (int g = 0; g < G; ++g) {
-      const V16 qv = load(q + g * C + c);
+      V16 qv = load(q + g * C + c);
+      in_register(qv);                    // loaded once for the J rows, not folded into each FMA (see dense_block)
       for (int j = 0; j < J; ++j) acc[g][j] = fma(qv, r[j], acc[g][j]);
     }
   }
