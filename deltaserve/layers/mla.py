@@ -56,8 +56,9 @@ class MLAttention(nn.Module):
         return views
 
     def state_spec(self) -> dict[str, StateSpec]:
-        cache = product_dtype(self.dtype, self.kv_b_proj.device)
-        return {"latent": StateSpec((self.rank + self.rope,), cache, per_token=True)}        # c_kv | k_pe
+        # in the activation dtype, whose values it holds either way: on a CPU without bf16 arithmetic the products
+        # widen it as they read it, and a bf16 cache is half the memory and half the bytes a decode step streams
+        return {"latent": StateSpec((self.rank + self.rope,), self.dtype, per_token=True)}   # c_kv | k_pe
 
     def finalize(self) -> None:
         """After loading: the absorption matrices, split per head and laid out contiguously for matmul."""
