@@ -1,7 +1,7 @@
 """The model's matrix products (projections, experts, attention), each picking the fastest exact way on its device:
 
-- 1..8 rows on a CPU with deltaserve's decode kernels (ops/cpu_kernels.py): one pass over bf16, int8 or MXFP4
-  weights, widened to fp32 in registers (fp32 weights go to MKL, whose GEMV reads them faster);
+- 1..8 rows on a CPU with deltaserve's decode kernels (ops/cpu_kernels.py): one pass over fp32, bf16, int8 or MXFP4
+  weights, widened to fp32 in registers;
 - bf16 operands of a larger product on a CPU without bf16 arithmetic (AVX512-BF16 or AMX) are widened to fp32
   first: oneDNN's bf16 GEMM runs several times slower there than fp32 MKL (3.7x at 256 rows on this project's CI
   machine).
