@@ -6,6 +6,7 @@ import torch
 
 from deltaserve.ops.cpu_kernels import build_flags, kernels
 from deltaserve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from deltaserve.tiny import make_tiny
 
 k = kernels()
 # a build error on a CPU the kernels are for fails here (test_the_kernels_build), not skips every test
@@ -135,15 +136,21 @@ def test_bad_shapes_are_refused():
         k.gemv_mxfp4(torch.randn(1, 64), torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("dtype,gates", [("float32", "random"), ("bfloat16", "random"), ("float32", "extreme")])
-def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, dtype, gates):
+@pytest.mark.parametrize("dtype,gates,head_dim", [("float32", "random", None), ("bfloat16", "random", None),
+                                                  ("float32", "extreme", None), ("float32", "random", 136)])
+def test_fused_decode_steps_equal_the_op_by_op_step(tiny_dir, tmp_path, dtype, gates, head_dim):
     """KDA and MLA decode kernels (in place on the pool's slots), after prompts prefilled with and without the KDA
     prefill kernels: the same slots and states advanced both ways for a few tokens of a batch of 3 (non-contiguous
     slots, different lengths). "extreme": forget-gate biases from -120 to
     120, so the kernel's vectorized softplus meets its threshold (20), its exponent's clamp (88) and inputs whose e^f
-    vanishes next to 1."""
+    vanishes next to 1. KDA heads of 136: a state wider than the kernel's 128 columns at a time, and a partial vector
+    of channels and columns."""
     from deltaserve import LLM
     from deltaserve.layers.kda import KimiDeltaAttention
+    from deltaserve.models.kimi_linear import TINY_CONFIG
+    if head_dim is not None:
+        tiny_dir = make_tiny(tmp_path / "wide", linear_attn_config={**TINY_CONFIG["linear_attn_config"],
+                                                                    "head_dim": head_dim})
     llm = LLM(tiny_dir, dtype=dtype)
     runner, layers = llm.runner, llm.model.model.layers
     mixers = [layer.self_attn for layer in layers]

@@ -227,6 +227,17 @@ inline float bf16_to_float(uint16_t v) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline const float* raw(const float* p) { return p; }
+// n values of T (16 at most read; lanes past n: 0) as fp32, and n raw values copied (16 at most)
+template <typename T> inline V16 load_values(const T* p, int64_t n) {
+  T part[16];
+  if (n < 16) std::fill(part, part + 16, T(0.f)), std::memcpy(part, p, n * sizeof(T)), p = part;
+  return load(raw(p));
+}
+template <typename T> inline void copy_values(T* to, const T* from, int64_t n) {
+  std::memcpy(to, from, (n < 16 ? n : 16) * sizeof(T));
+}
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return bf16_to_float(w); }
 
@@ -818,6 +829,44 @@ inline void each16(float* x, int64_t n, F f) {
   for (int64_t i = 0; i < n; i += 16) store_n(x + i, n - i, f(load_n(x + i, n - i)));
 }
 
+// The delta rule on columns [c0, c0 + 16 NV) of one head's state s [K keys][K values], those columns' sums held in
+// registers across all K rows (two passes over the rows, each row read and written once a pass): decay each row,
+// pred = S^T k, delta = (v - pred) beta, S += k delta^T, o = S^T q. The same multiplies and adds, in the same order, as
+// the scalar loops they replace (no FMA: -ffp-contract=off keeps every product rounded, as the op-by-op path does).
+constexpr int64_t kStateVectors = kAvx512 ? 8 : 2;     // AVX2: 16 registers
+template <int NV>
+void delta_rule_columns(float* s, int64_t K, int64_t c0, const float* d, const float* k, const float* v, float beta,
+                        const float* q, float* o) {
+  auto width = [&](int i) { return K - c0 - 16 * i; };            // lanes of vector i that are in the state
+  V16 acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = zero();
+  for (int64_t r = 0; r < K; ++r) {
+    float* row = s + r * K + c0;
+    const V16 dr = set1(d[r]), kr = set1(k[r]);
+    for (int i = 0; i < NV; ++i) {
+      prefetch_ahead(row + 16 * i);
+      const V16 x = load_n(row + 16 * i, width(i)) * dr;
+      store_n(row + 16 * i, width(i), x);
+      acc[i] = acc[i] + kr * x;
+    }
+  }
+  V16 delta[NV];
+  for (int i = 0; i < NV; ++i) {
+    delta[i] = (load_n(v + c0 + 16 * i, width(i)) - acc[i]) * set1(beta);
+    acc[i] = zero();
+  }
+  for (int64_t r = 0; r < K; ++r) {
+    float* row = s + r * K + c0;
+    const V16 kr = set1(k[r]), qr = set1(q[r]);
+    for (int i = 0; i < NV; ++i) {
+      const V16 x = load_n(row + 16 * i, width(i)) + kr * delta[i];
+      store_n(row + 16 * i, width(i), x);
+      acc[i] = acc[i] + qr * x;
+    }
+  }
+  for (int i = 0; i < NV; ++i) store_n(o + c0 + 16 * i, width(i), acc[i]);
+}
+
 // f and z: the head's forget-gate input and output gate (K values each, as rounded to T). The transcendental steps
 // (SiLU, the forget gate, the output gate: ~900 a head, ~3/4 of a head's time as scalar libm calls) run 16 lanes at
 // a time, within a few ulp of libm.
@@ -827,17 +876,19 @@ void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, co
               float* S, T* out) {
   const int64_t K = a.K, P = a.H * K, W = a.W;
   std::vector<float> qkv(3 * K);
-  for (int part = 0; part < 3; ++part) {
-    for (int64_t i = 0; i < K; ++i) {
-      const int64_t c = part * P + h * K + i;
-      T* window = conv + a.slots[b] * a.conv_stride + c;                 // W-1 rows of 3P channels
-      const T fresh = proj[b * a.proj_stride + c];
-      float acc = 0.f;
-      for (int64_t j = 0; j < W - 1; ++j) acc += to_float(window[j * 3 * P]) * taps[c * W + j];
-      acc += to_float(fresh) * taps[c * W + W - 1];
-      for (int64_t j = 0; j + 1 < W - 1; ++j) window[j * 3 * P] = window[(j + 1) * 3 * P];
-      window[(W - 2) * 3 * P] = fresh;
-      qkv[part * K + i] = acc;
+  T* const windows = conv + a.slots[b] * a.conv_stride;                   // W-1 rows of 3P channels
+  for (int part = 0; part < 3; ++part) {                                  // 16 channels at a time
+    for (int64_t i = 0; i < K; i += 16) {
+      const int64_t c = part * P + h * K + i, n = K - i;
+      T* window = windows + c;
+      const T* fresh = proj + b * a.proj_stride + c;
+      V16 acc = zero();
+      for (int64_t j = 0; j < W - 1; ++j)
+        acc = acc + load_values(window + j * 3 * P, n) * load_n(taps + j * 3 * P + c, n);
+      acc = acc + load_values(fresh, n) * load_n(taps + (W - 1) * 3 * P + c, n);
+      for (int64_t j = 0; j + 1 < W - 1; ++j) copy_values(window + j * 3 * P, window + (j + 1) * 3 * P, n);
+      copy_values(window + (W - 2) * 3 * P, fresh, n);
+      store_n(qkv.data() + part * K + i, n, acc);
     }
   }
   each16(qkv.data(), 3 * K, [](V16 x) { return round_vec<T>(x * sigmoid16(x)); });       // SiLU, rounded to T
@@ -863,19 +914,11 @@ void kda_head(const KdaArgs& a, int64_t b, int64_t h, const T* proj, T* conv, co
   // once, then every line that far ahead, as the GEMVs read their weights
   for (int64_t i = 0; i < std::min<int64_t>(K * K, kPrefetchBytes / 4); i += 16)
     _mm_prefetch(reinterpret_cast<const char*>(s + i), _MM_HINT_T1);
-  std::vector<float> pred(K, 0.f), o(K, 0.f);
-  for (int64_t r = 0; r < K; ++r) {
-    float* row = s + r * K;
-    for (int64_t c = 0; c < K; c += 16) prefetch_ahead(row + c);
-    for (int64_t c = 0; c < K; ++c) row[c] *= d[r];
-    for (int64_t c = 0; c < K; ++c) pred[c] += k[r] * row[c];     // the decayed row, while it is in L1
-  }
-  for (int64_t c = 0; c < K; ++c) pred[c] = (v[c] - pred[c]) * beta;          // delta
-  for (int64_t r = 0; r < K; ++r) {
-    float* row = s + r * K;
-    for (int64_t c = 0; c < K; ++c) row[c] += k[r] * pred[c];
-    for (int64_t c = 0; c < K; ++c) o[c] += q[r] * row[c];
-  }
+  std::vector<float> o(K);
+  for (int64_t c0 = 0; c0 < K; c0 += 16 * kStateVectors)
+    with_rows((std::min(K - c0, 16 * kStateVectors) + 15) / 16, [&](auto nv) {
+      delta_rule_columns<decltype(nv)::value>(s, K, c0, d.data(), k, v, beta, q, o.data());
+    });
   float ss = 0.f;
   for (int64_t c = 0; c < K; ++c) ss += o[c] * o[c];
   const float inv = 1.f / std::sqrt(ss / K + a.eps);
@@ -928,7 +971,7 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
                               const torch::Tensor& decay, double lower_bound, const torch::Tensor& beta_logit,
                               const torch::Tensor& g, at::TensorList g_b, const torch::Tensor& o_norm, double eps,
                               bool silu_gate, bool per_channel, torch::Tensor S, const torch::Tensor& slots) {
-  const int64_t B = proj.size(0), H = S.size(1), K = S.size(2), W = taps.size(1);
+  const int64_t B = proj.size(0), H = S.size(1), K = S.size(2), W = taps.size(0);
   for (const auto* t : {&proj, &f_a, &beta_logit, &g})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->stride(1) == 1 && t->scalar_type() == proj.scalar_type(),
                 "projections must be [B, n] row slices of one dtype");
@@ -950,8 +993,8 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < std::min(conv.size(0), S.size(0)), "slot ", slot[b], " out of range");
   check_distinct(slot, B);
-  TORCH_CHECK(taps.scalar_type() == torch::kFloat && taps.is_contiguous() && taps.size(0) == 3 * H * K,
-              "taps must be [3P, W] float32");
+  TORCH_CHECK(taps.dim() == 2 && taps.scalar_type() == torch::kFloat && taps.is_contiguous() && taps.size(1) == 3 * H * K,
+              "taps must be [W, 3P] float32");
   TORCH_CHECK(decay.numel() == (per_channel ? K : H), "decay rates: one per ", per_channel ? "key channel" : "head");
   KdaArgs a{B, H, K, W, proj.stride(0), beta_logit.stride(0), conv.stride(0), S.stride(0),
             slot, float(lower_bound), float(eps), 1.f / std::sqrt(float(K)), per_channel, silu_gate};
@@ -1167,8 +1210,6 @@ torch::Tensor routed_experts_prefill(const torch::Tensor& h, const torch::Tensor
 // q's dtype; the context summed in fp32 and rounded once; the output rounded once. Reading the cache in
 // place, per row's own length, is what lets a compiled decode step keep static shapes.
 namespace {
-inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
-inline const float* raw(const float* p) { return p; }
 
 // Query heads a score tile holds and cache rows it reads at once (each row load serves G heads, each query load J
 // rows), and context accumulators a task keeps in registers (AVX2: 16 ymm, AVX-512: 32 zmm).

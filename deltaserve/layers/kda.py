@@ -88,8 +88,7 @@ class KimiDeltaAttention(nn.Module):
         self.chunk_kernel, self.recurrent_kernel = kda_kernels(self.conv.device.type, self.chunk_size)
         # the CPU kernels: the decode step as one op, and a prefill's chunked inputs
         self.fused_step = kernels() if fused_decode(self.conv) else None
-        self.taps_2d = self.taps.squeeze(1).contiguous()
-        self.taps_by_tap = self.taps_2d.t().contiguous()                     # [W, 3P]: the prefill kernel's
+        self.taps_by_tap = self.taps.squeeze(1).t().contiguous()           # [W, 3P]: the CPU kernels' layout
         self.o_norm_f32 = self.o_norm.float()             # the decode kernel's (not converted at every step)
 
     def forward(self, x: torch.Tensor, state: StateView) -> torch.Tensor:
@@ -126,7 +125,7 @@ class KimiDeltaAttention(nn.Module):
         the pool's slots."""
         qkv, f_a, g, b = linear(x[:, 0], self.in_proj).split([3 * self.P, self.K, self.split[2], self.H], dim=-1)
         g_b = [] if self.full_rank_gate else weight_parts(self.g_b)
-        o = self.fused_step.kda_decode_step(qkv, state.pool_tensor(self.layer, "conv"), self.taps_2d, f_a,
+        o = self.fused_step.kda_decode_step(qkv, state.pool_tensor(self.layer, "conv"), self.taps_by_tap, f_a,
                                             weight_parts(self.f_b), self.dt_bias, self.decay_rate, self.bound or 0.0, b,
                                             g, g_b, self.o_norm_f32, self.eps, self.gate_activation == "silu",
                                             self.per_channel, state.pool_tensor(self.layer, "recurrent"),
