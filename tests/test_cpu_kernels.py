@@ -100,7 +100,23 @@ def test_mxfp4_gemv_equals_the_dequantized_product():
         assert (k.gemv_mxfp4(x[:M], packed, scales).double() - ref[:M]).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("weights", ["bf16", "bf16 x bf16", "mxfp4"])
+def test_mxfp4_gemv_of_bf16_inputs_equals_the_dequantized_product():
+    """bf16 rows (a bf16 model's activations) against the float64 product of the dequantized weights, each result
+    rounded to bf16 once, with the extreme scales: rows 0-1 the smallest, row 2 a very large one (on a single 0.5)."""
+    g = torch.Generator().manual_seed(2)
+    packed, scales = quantize_mxfp4(torch.randn(259, 1024, generator=g) * 0.05)
+    scales[0, :], scales[1, :] = 0, 1
+    packed[2, :16], packed[2, 0] = 0, 0x01
+    scales[2, 0] = 253
+    x = torch.randn(8, 1024, generator=g).bfloat16()
+    ref = x.double() @ dequantize_mxfp4(packed, scales, torch.float64).T
+    for M in (1, 3, 8):
+        got = k.gemv_mxfp4(x[:M], packed, scales).double()
+        assert torch.isfinite(got).all()
+        assert ((got - ref[:M]).abs() <= 2 ** -8 * ref[:M].abs() + 1e-6 * ref[:M].abs().amax(dim=0)).all()
+
+
+@pytest.mark.parametrize("weights", ["bf16", "bf16 x bf16", "mxfp4", "mxfp4 x bf16"])
 def test_a_rows_result_does_not_depend_on_the_batch(weights):
     """Bitwise: decode at batch 8 gives each sequence what it gets alone (for any thread count). bf16 x bf16 products
     of 4 or more rows run on AMX tiles where the CPU has them, which sum in their own order: there a row gets the same
@@ -108,9 +124,9 @@ def test_a_rows_result_does_not_depend_on_the_batch(weights):
     g = torch.Generator().manual_seed(1)
     W = torch.randn(640, 512, generator=g)
     x = torch.randn(8, 512, generator=g)
-    if weights == "bf16 x bf16":
+    if weights.endswith("x bf16"):
         x = x.bfloat16()
-    run = (lambda rows: k.gemv_mxfp4(rows, *quantize_mxfp4(W))) if weights == "mxfp4" else \
+    run = (lambda rows: k.gemv_mxfp4(rows, *quantize_mxfp4(W))) if weights.startswith("mxfp4") else \
         (lambda rows: k.gemv(rows, W.bfloat16()))
     together = run(x)
     threads = torch.get_num_threads()
