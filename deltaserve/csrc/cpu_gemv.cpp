@@ -533,7 +533,8 @@ void q8_rows(const float* x, int64_t K, const int8_t* Q, const float* S, int64_t
   for (; n < n1; ++n) q8_block<OT, M, 1>(x, K, Q, S, n, y, N);
 }
 
-// f(std::integral_constant<int, m>{}) for a row count m in 1..kMaxRows known only at run time.
+// f(std::integral_constant<int, m>{}) for a count m in 1..kMaxRows known only at run time (rows; also the state
+// vectors of delta_rule_columns).
 template <typename F>
 void with_rows(int64_t m, F&& f) {
   switch (m) {
@@ -993,8 +994,8 @@ torch::Tensor kda_decode_step(const torch::Tensor& proj, torch::Tensor conv, con
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < std::min(conv.size(0), S.size(0)), "slot ", slot[b], " out of range");
   check_distinct(slot, B);
-  TORCH_CHECK(taps.dim() == 2 && taps.scalar_type() == torch::kFloat && taps.is_contiguous() && taps.size(1) == 3 * H * K,
-              "taps must be [W, 3P] float32");
+  TORCH_CHECK(taps.dim() == 2 && taps.scalar_type() == torch::kFloat && taps.is_contiguous() &&
+              taps.size(1) == 3 * H * K, "taps must be [W, 3P] float32");
   TORCH_CHECK(decay.numel() == (per_channel ? K : H), "decay rates: one per ", per_channel ? "key channel" : "head");
   KdaArgs a{B, H, K, W, proj.stride(0), beta_logit.stride(0), conv.stride(0), S.stride(0),
             slot, float(lower_bound), float(eps), 1.f / std::sqrt(float(K)), per_channel, silu_gate};
