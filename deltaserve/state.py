@@ -82,7 +82,6 @@ class StateView:
         self.positions = torch.tensor(starts, device=self.device) if positions is None else positions
         contiguous = span is None and slots == list(range(slots[0], slots[0] + len(slots)))
         self.rows = slice(slots[0], slots[0] + len(slots)) if contiguous else self.slot_ids
-        self._mask: tuple[int, torch.Tensor, int] | None = None
 
     def pool_tensor(self, layer: int, name: str) -> torch.Tensor:
         """All slots' state (name) of a layer, [slots, ...], for kernels that index it by `slot_ids`."""
@@ -98,8 +97,10 @@ class StateView:
         if not (isinstance(self.rows, slice) and value.data_ptr() == pool[self.rows].data_ptr()):
             pool[self.rows] = value
 
-    def append(self, layer: int, name: str, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write per-token values [B, T, C] at each row's position; return (cache [B, L, C], mask [B, 1, T, L])."""
+    def append(self, layer: int, name: str, values: torch.Tensor) -> torch.Tensor:
+        """Write per-token values [B, T, C] at each row's position; return the cache [B, L, C] the rows' queries
+        attend over: L is the longest row's length after the write (or the view's span). Which of those positions
+        each query sees: `query_positions`."""
         B, T, _ = values.shape
         cache = self.pool.tensors[layer, name]
         values = values.to(cache.dtype)
@@ -108,16 +109,10 @@ class StateView:
         if B == 1 and self.span is None:
             cache[self.slots[0], self.starts[0]:self.starts[0] + T] = values[0]
         else:
-            pos = self.positions[:, None] + torch.arange(T, device=self.device)
-            cache[self.slot_ids[:, None], pos] = values
-        mask, L = self.attend_mask(T)
-        return cache[self.rows, :L], mask
+            cache[self.slot_ids[:, None], self.query_positions(T)] = values
+        return cache[self.rows, :max(self.starts) + T if self.span is None else self.span]
 
-    def attend_mask(self, T: int) -> tuple[torch.Tensor, int]:
-        """Key p is visible to query t of row b iff p <= starts[b] + t (causal, per-row length)."""
-        if self._mask is None or self._mask[0] != T:
-            L = max(self.starts) + T if self.span is None else self.span
-            query_pos = self.positions[:, None] + torch.arange(T, device=self.device)        # [B, T]
-            mask = torch.arange(L, device=self.device)[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
-            self._mask = (T, mask.unsqueeze(1), L)
-        return self._mask[1], self._mask[2]
+    def query_positions(self, T: int) -> torch.Tensor:
+        """[B, T]: the position of each row's t-th new token. Key p is visible to it iff p <= that (causal, per-row
+        length)."""
+        return self.positions[:, None] + torch.arange(T, device=self.device)

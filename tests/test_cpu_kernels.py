@@ -232,8 +232,8 @@ def test_kda_chunk_inputs_equal_the_op_by_op_ones(dtype, variant):
 @pytest.mark.parametrize("rank", [40, 56])   # rank + rope 48 or 64: bf16 x bf16 scores on AMX tiles at multiples of 32
 def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype, H, rank):
     """The MLA decode kernel (fold W_UK into the query, write the new latent in place, attend over the slot's own
-    length, apply W_UV) vs the op-by-op absorbed attention over the gathered cache with its mask, for rows of
-    different lengths in non-contiguous slots."""
+    length, apply W_UV) vs the op-by-op absorbed attention over the gathered cache, each row to its own length, for
+    rows of different lengths in non-contiguous slots."""
     from deltaserve.layers.linear import matmul
     from deltaserve.layers.mla import latent_attention
     from deltaserve.state import StatePool
@@ -246,9 +246,10 @@ def test_mla_decode_equals_latent_attention(query_dtype, cache_dtype, H, rank):
     q = torch.randn(3, H, 1, nope + rope, generator=g).to(query_dtype)
     latent = torch.randn(3, 1, rank + rope, generator=g).to(query_dtype)
     saved = pool.tensors[0, "latent"].clone()
-    cache, mask = pool.view(slots, starts).append(0, "latent", latent)
+    view = pool.view(slots, starts)
+    cache = view.append(0, "latent", latent)
     query = torch.cat((matmul(q[..., :nope], w_kv[:, :nope].float()), q[..., nope:]), dim=-1)
-    ctx = latent_attention(query, cache, mask, 0.3, rank)
+    ctx = latent_attention(query, cache, view.query_positions(1), 0.3, rank)
     ref = matmul(ctx, w_kv[:, nope:].transpose(1, 2).float()).reshape(3, H * v)
     expected_pool = pool.tensors[0, "latent"].clone()
     pool.tensors[0, "latent"].copy_(saved)

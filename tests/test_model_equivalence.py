@@ -112,3 +112,26 @@ def test_prefill_experts_sum_as_one_index_add_per_expert(tiny_dir, dtype, widene
                 assert torch.equal(moe.experts(h, ids, weights), expected)
         finally:
             torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_in_query_blocks_equals_all_at_once(tiny_dir, dtype, monkeypatch):
+    """A long prefill's attention scores are held a block of queries at a time (layers/mla.py SCORES_PER_BLOCK);
+    with a budget that splits every chunk into blocks of a few queries, the logits are the ones all at once, and no
+    block holds more scores than the budget allows."""
+    from deltaserve.layers import mla
+    model = LLM(tiny_dir, dtype=dtype).model
+    ids = prompt(300, seed=4)
+    pool = StatePool(model.state_spec(), 1, len(ids))
+    whole = torch.cat([model(torch.tensor([ids[s:s + 128]]), pool.view([0], [s]), last_only=False)[0]
+                       for s in range(0, len(ids), 128)])
+    budget, held = 1000, []
+    monkeypatch.setattr(mla, "SCORES_PER_BLOCK", budget)
+    real = mla._attend
+    monkeypatch.setattr(mla, "_attend", lambda q, c, v, *a: held.append(q.shape[1] * q.shape[2] * c.shape[1])
+                        or real(q, c, v, *a))
+    pool = StatePool(model.state_spec(), 1, len(ids))
+    blocks = torch.cat([model(torch.tensor([ids[s:s + 128]]), pool.view([0], [s]), last_only=False)[0]
+                        for s in range(0, len(ids), 128)])
+    assert len(held) > 3 * len(ids) // 128 and max(held) <= budget
+    assert torch.equal(blocks, whole)

@@ -85,19 +85,36 @@ class MLAttention(nn.Module):
         else:
             q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)            # [B, H, T, 192]
             query = torch.cat((matmul(q[..., :self.nope], self.w_uk), q[..., self.nope:]), dim=-1)    # [.., r + rope]
-            cache, mask = state.append(self.layer, "latent", latent)           # [B, L, r + rope], [B, 1, T, L]
-            ctx = latent_attention(query, cache, mask, self.scale, self.rank)   # [B, H, T, r]
+            cache = state.append(self.layer, "latent", latent)                 # [B, L, r + rope]
+            ctx = latent_attention(query, cache, state.query_positions(T), self.scale, self.rank)    # [B, H, T, r]
             out = matmul(ctx, self.w_uv_t).transpose(1, 2).reshape(B, T, H * self.v_dim)
         if self.gate_width:
             out = out * torch.sigmoid(gate)
         return linear(out, self.o_proj)
 
 
-def latent_attention(query: torch.Tensor, cache: torch.Tensor, mask: torch.Tensor, scale: float, rank: int
+# The most attention scores `latent_attention` holds at once (with the softmax's copies, 8-12 bytes each).
+SCORES_PER_BLOCK = 1 << 25
+
+
+def latent_attention(query: torch.Tensor, cache: torch.Tensor, query_pos: torch.Tensor, scale: float, rank: int
                      ) -> torch.Tensor:
-    """softmax(q c^T * scale) c[:, :rank] with one latent key row shared by all heads (MQA): heads are folded
-    into query rows, so the cache is read once per sequence and never expanded per head."""
+    """softmax(q c^T * scale) c[:, :rank], the query at position query_pos[b, t] over the keys at positions <= it,
+    with one latent key row shared by all heads (MQA): heads are folded into query rows, so the cache is read once
+    per block of queries and never expanded per head. Queries go SCORES_PER_BLOCK scores at a time: a 512-token
+    prefill chunk of 32 heads over 128K positions would otherwise hold 2G scores (16-25 GB with the
+    softmax's copies). Each query's softmax is its own, so the blocks change no value."""
+    B, H, T, C = query.shape
+    keys = torch.arange(cache.shape[1], device=cache.device)
+    step = max(1, SCORES_PER_BLOCK // (B * H * cache.shape[1]))
+    blocks = [_attend(query[:, :, s:s + step], cache, keys <= query_pos[:, s:s + step, None], scale, rank)
+              for s in range(0, T, step)]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+
+
+def _attend(query: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor, scale: float, rank: int
+            ) -> torch.Tensor:
     B, H, T, C = query.shape
     scores = matmul(query.reshape(B, H * T, C), cache.transpose(1, 2)).view(B, H, T, -1) * scale
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
+    probs = scores.masked_fill_(~visible[:, None], float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
     return matmul(probs.view(B, H * T, -1), cache[..., :rank]).view(B, H, T, rank)
