@@ -33,7 +33,8 @@ import torch
 from .prefix_cache import PrefixCache
 from .runner import ModelFailure, ModelRunner
 from .sampling import Sampler, SamplingParams, StopStrings, TokenLogprob, token_logprobs
-from .structured import Constraint, GrammarCompiler, GrammarMatcher, allocate_bitmask, apply_bitmask_, fill_bitmasks
+from .structured import (Constraint, ConstraintFailed, GrammarCompiler, GrammarMatcher, allocate_bitmask,
+                         apply_bitmask_, fill_bitmasks)
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -67,6 +68,7 @@ class Request:
     cache_salt: str | None = None     # reuses only prefixes cached under the same salt
     finish_reason: str | None = None  # "stop", "length", "abort", or "error" (then `error` says why)
     error: str | None = None
+    error_param: str | None = None    # the request field at fault, when the error is its own input's (its constraint)
     text: str = ""                    # emitted text (stop strings excluded)
     decoder: IncrementalDecoder | None = None
     stops: StopStrings | None = None
@@ -331,13 +333,18 @@ class Engine:
             work(*args)
         except ModelFailure:
             raise                      # not this request's: the model itself cannot go on
+        except ConstraintFailed as e:
+            r.error_param = e.param
+            self._fail(r, updates, str(e))
         except Exception as e:  # noqa: BLE001 - any failure of one request's processing is that request's
             frame = traceback.extract_tb(e.__traceback__)[-1]
-            r.error = f"{type(e).__name__}: {e} (at {frame.filename}:{frame.lineno})"
-            r.finish_reason = "error"
-            if r in self.running:
-                self._release(r)
-            updates.append(Update(r, [], "", True))
+            self._fail(r, updates, f"{type(e).__name__}: {e} (at {frame.filename}:{frame.lineno})")
+
+    def _fail(self, r: Request, updates: list[Update], error: str) -> None:
+        r.error, r.finish_reason = error, "error"
+        if r in self.running:
+            self._release(r)
+        updates.append(Update(r, [], "", True))
 
     # ---- outputs -----------------------------------------------------------------------------------------
     def _accept(self, r: Request, logits: torch.Tensor, updates: list[Update],
@@ -348,7 +355,8 @@ class Engine:
             masked = self._mask([r.grammar], logits.unsqueeze(0))[0]
         token = r.sampler(logits if masked is None else masked)
         if r.grammar is not None and not r.grammar.accept(token):
-            raise RuntimeError(f"the grammar refused token {token}: {r.grammar.error}")
+            raise ConstraintFailed(r.grammar.param, f"the constraint failed at output token {len(r.output) + 1}: "
+                                                    f"{r.grammar.error.splitlines()[0]}")
         logprobs = []
         if r.params.logprobs is not None:
             logprobs = token_logprobs(logits[None], [token], r.params.logprobs)

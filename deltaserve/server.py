@@ -530,6 +530,8 @@ class RequestLog:
         """The request failed inside the engine (the others went on): log it once, and the error for the client."""
         self.state.metrics.count("error")
         self.state.log(f"{self.path}  --  {self.response_id} failed: {r.error}")
+        if r.error_param is not None:       # its own input (a constraint) broke down mid-output: the client's error
+            return APIError(400, r.error, param=r.error_param)
         return APIError(500, f"internal error while generating {self.response_id}; other requests are unaffected",
                         type_="internal_server_error")
 

@@ -11,6 +11,7 @@ wheel, and rejects escaped quotes in strings that have a maxLength).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Sequence
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 # JSON whitespace is free but bounded, so a model cannot loop on newlines forever; 32 characters still allow a
 # newline and 15 levels of two-space indentation. A schema's own "x-guidance" options override this.
 JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
+# A constraint's first token mask may take this long (most take well under a millisecond; a 100,000-character
+# regex repetition 80 ms); one that takes longer is refused, as each of its masks would hold up every request.
+FIRST_MASK_SECONDS = 0.5
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -131,19 +135,29 @@ def _constraint(kind: str, value: Any, param: str) -> Constraint:
     return Constraint(kind, value, param)
 
 
+class ConstraintFailed(RuntimeError):
+    """A request's constraint broke down mid-output (its lexer's limits, a token it refused): the request's own
+    input is at fault, and `param` names its field (the server answers 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class GrammarMatcher:
     """One request's position in its grammar: the mask of the tokens that may come next, and the tokens taken.
     With `after` (e.g. the ids of `</think>` when the prompt opened reasoning), the grammar applies only once the
     output has ended with those ids; before, every token is allowed but those in `banned_before`."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, after: Sequence[int] = (),
-                 banned_before: Sequence[int] = ()):
-        self.matcher, self.vocab_size = matcher, vocab_size
+                 banned_before: Sequence[int] = (), param: str = ""):
+        """`param`: the request field the constraint came from, for errors."""
+        self.matcher, self.vocab_size, self.param = matcher, vocab_size, param
         self.after, self.recent, self.banned_before = list(after), [], list(banned_before)
 
     def copy(self) -> GrammarMatcher:
         """An independent matcher in the same position (for the other choices of a request)."""
-        twin = GrammarMatcher(self.matcher.deep_copy(), self.vocab_size, self.after, self.banned_before)
+        twin = GrammarMatcher(self.matcher.deep_copy(), self.vocab_size, self.after, self.banned_before, self.param)
         twin.recent = list(self.recent)
         return twin
 
@@ -207,9 +221,16 @@ class GrammarCompiler:
         if failed:
             raise StructuredOutputError(constraint.param, messages[0].strip())
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise StructuredOutputError(constraint.param, matcher.get_error())
-        return GrammarMatcher(matcher, self.vocab_size, after, banned_before)
+        # The first token's mask, computed here in the request's own thread: a constraint whose lexer is slow over
+        # it (regex x{100000} over Kimi's vocabulary: 3 s a mask, within llguidance's limits) is refused now, not
+        # met in the engine's steps, where every other request would wait for each of its masks.
+        started = time.perf_counter()
+        matcher.compute_bitmask()
+        took = time.perf_counter() - started
+        if took > FIRST_MASK_SECONDS:
+            raise StructuredOutputError(constraint.param, f"too complex: the first token's mask took {took:.1f} s "
+                                                          f"(at most {FIRST_MASK_SECONDS} s)")
+        return GrammarMatcher(matcher, self.vocab_size, after, banned_before, constraint.param)
 
 
 def _grammar(c: Constraint) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from typing import Any
 
@@ -213,13 +214,14 @@ def parse_tagged_call(body: str) -> tuple[str, str] | None:
     """(name, arguments JSON) of the body of a `<tool_call>` region: Hermes JSON or XML; None if it is neither."""
     if body.startswith("{"):
         try:
-            call = json.loads(body)
+            call = _loads(body)
         except json.JSONDecodeError:
             return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
-        return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        arguments = arguments if isinstance(arguments, str) else _dumps(arguments)
+        return (call["name"], arguments) if _has_utf8(call["name"] + arguments) else None
     match = re.fullmatch(r"<function=([^>\s]+)>(.*?)(?:</function>)?\s*", body, re.DOTALL)
     if match is None:
         return None
@@ -227,20 +229,52 @@ def parse_tagged_call(body: str) -> tuple[str, str] | None:
     if parameters.sub("", match[2]).strip():
         return None                  # text outside <parameter> elements: not a well-formed call
     arguments = {key: _xml_value(value) for key, value in parameters.findall(match[2])}
-    return match[1], json.dumps(arguments, ensure_ascii=False)
+    return match[1], _dumps(arguments)
 
 
 def _xml_value(text: str) -> Any:
     text = re.sub(r"\r?\n\Z", "", re.sub(r"\A\r?\n", "", text))
     try:
-        return json.loads(text)
+        return _loads(text)
     except json.JSONDecodeError:
         return text
 
 
 def _is_json(text: str) -> bool:
     try:
-        json.loads(text)
+        _loads(text)
     except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _loads(text: str) -> Any:
+    """json.loads of JSON proper: Python's also reads NaN, Infinity and 1e999 (as inf), which JSON has not."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
+def _not_json(word: str) -> Any:
+    raise json.JSONDecodeError(f"{word} is not JSON", word, 0)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise json.JSONDecodeError(f"{text} is not a finite number", text, 0)
+    return value
+
+
+def _dumps(value: Any) -> str:
+    """JSON text with non-ASCII characters as themselves, unless a string holds a lone surrogate (which a model
+    can write as an escape, "\\ud800"): that has no UTF-8 form, so it stays escaped, or no response could be sent."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if _has_utf8(text) else json.dumps(value)
+
+
+def _has_utf8(text: str) -> bool:
+    """`text` can be sent: it holds no lone surrogate."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
         return False
     return True

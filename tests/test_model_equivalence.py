@@ -117,8 +117,9 @@ def test_prefill_experts_sum_as_one_index_add_per_expert(tiny_dir, dtype, widene
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_in_query_blocks_equals_all_at_once(tiny_dir, dtype, monkeypatch):
     """A long prefill's attention scores are held a block of queries at a time (layers/mla.py SCORES_PER_BLOCK);
-    with a budget that splits every chunk into blocks of a few queries, the logits are the ones all at once, and no
-    block holds more scores than the budget allows."""
+    with a budget that splits every chunk into blocks of a few queries, the logits are the ones all at once (up to
+    the products' rounding: a small block can take another matmul kernel), and no block holds more scores than the
+    budget allows."""
     from deltaserve.layers import mla
     model = LLM(tiny_dir, dtype=dtype).model
     ids = prompt(300, seed=4)
@@ -134,4 +135,4 @@ def test_prefill_attention_in_query_blocks_equals_all_at_once(tiny_dir, dtype, m
     blocks = torch.cat([model(torch.tensor([ids[s:s + 128]]), pool.view([0], [s]), last_only=False)[0]
                         for s in range(0, len(ids), 128)])
     assert len(held) > 3 * len(ids) // 128 and max(held) <= budget
-    assert torch.equal(blocks, whole)
+    assert (blocks - whole).abs().max() <= (1e-5 if dtype == torch.float32 else 0.05 * whole.abs().max())

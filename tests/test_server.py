@@ -130,6 +130,21 @@ def test_bad_requests_get_openai_errors_and_change_nothing(server, client, body,
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_constraint_that_breaks_down_mid_output_is_the_clients_error(server, client):
+    """A regex whose lexer gives up after its first token (a{1000000}: too many expressions) passes the compile-time
+    check; it ends its request as a 400 naming the field (streamed: an error event of that type), not a 500."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "guided_regex": "a{1000000}"}
+    r = post(server, "/v1/chat/completions", body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "guided_regex" and error["type"] == "invalid_request_error"
+    assert "the constraint failed at output token 1: lexer error: too many expressions" in error["message"]
+    events = post(server, "/v1/chat/completions", {**body, "stream": True}).text.split("\n\n")
+    error = json.loads(next(e for e in events if '"error"' in e).removeprefix("data: "))["error"]
+    assert error["param"] == "guided_regex" and error["type"] == "invalid_request_error"
+    ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "still ok?"}], max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
 def test_prompt_longer_than_context_names_both_counts(server):
     r = post(server, "/v1/completions", {"prompt": list(range(5, 500)) * 9, "max_tokens": 5})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

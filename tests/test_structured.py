@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from deltaserve import structured
 from deltaserve.structured import (Constraint, GrammarCompiler, StructuredOutputError, allocate_bitmask,
                                    apply_bitmask_, constraint_from_request, fill_bitmasks)
 from deltaserve.tiny import write_tokenizer
@@ -182,6 +183,15 @@ def test_invalid_constraints_raise_value_errors_naming_field_and_problem(compile
     for body, param, problem in cases:
         with pytest.raises(StructuredOutputError, match="(?s)" + re.escape(f"'{param}'") + ".*" + problem):
             compiler.compile(constraint_from_request(body))
+
+
+def test_a_constraint_whose_first_mask_is_slow_is_refused_when_compiled(compiler, monkeypatch):
+    """A constraint whose first token mask takes longer than FIRST_MASK_SECONDS is refused when the request
+    arrives (a 400), before any engine step would wait for its masks."""
+    compiler.compile(constraint_from_request({"guided_regex": "a{1000}"}))
+    monkeypatch.setattr(structured, "FIRST_MASK_SECONDS", 0.0)
+    with pytest.raises(StructuredOutputError, match=r"'guided_regex': too complex: the first token's mask took"):
+        compiler.compile(constraint_from_request({"guided_regex": "a{1000}"}))
 
 
 def test_request_fields_give_one_constraint():

@@ -140,8 +140,21 @@ def test_xml_call_trims_one_newline_and_decodes_json_values():
     assert json.loads(call["function"]["arguments"]) == {"code": "print(1)\n", "n": 5, "flags": [True, None]}
 
 
+def test_lone_surrogates_in_tagged_arguments_stay_escaped():
+    """A model can write a lone surrogate as a JSON escape; decoded, it has no UTF-8 form, so arguments holding one
+    keep it escaped (the same JSON value), and the response can still be sent."""
+    text = ('<tool_call>{"name": "f", "arguments": {"a": "\\ud800 é"}}</tool_call>'
+            '<tool_call><function=g><parameter=b>"\\udc00"</parameter></function></tool_call>')
+    message = parse_chat_output(text)
+    json.dumps(message, ensure_ascii=False).encode()
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"a": "\ud800 é"},
+                                                                                       {"b": "\udc00"}]
+
+
 @pytest.mark.parametrize("body", ['{"arguments": {}}', "{not json}", "plain words",
-                                  "<function=f><parameter=a>1</parameter> stray text</function>"])
+                                  "<function=f><parameter=a>1</parameter> stray text</function>",
+                                  '{"name": "\\ud800", "arguments": {}}', '{"name": "f", "arguments": {"a": NaN}}',
+                                  '{"name": "f", "arguments": {"a": 1e999}}'])
 def test_malformed_tag_region_is_content(body, caplog):
     text = f"Before <tool_call>{body}</tool_call>"
     with caplog.at_level(logging.WARNING, logger="deltaserve.tool_parser"):

@@ -103,7 +103,8 @@ def latent_attention(query: torch.Tensor, cache: torch.Tensor, query_pos: torch.
     with one latent key row shared by all heads (MQA): heads are folded into query rows, so the cache is read once
     per block of queries and never expanded per head. Queries go SCORES_PER_BLOCK scores at a time: a 512-token
     prefill chunk of 32 heads over 128K positions would otherwise hold 2G scores (16-25 GB with the
-    softmax's copies). Each query's softmax is its own, so the blocks change no value."""
+    softmax's copies). Each query's softmax is its own; only the matrix products see the blocks (a small block
+    can take another kernel, rounded differently)."""
     B, H, T, C = query.shape
     keys = torch.arange(cache.shape[1], device=cache.device)
     step = max(1, SCORES_PER_BLOCK // (B * H * cache.shape[1]))
