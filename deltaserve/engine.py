@@ -356,7 +356,7 @@ class Engine:
         token = r.sampler(logits if masked is None else masked)
         if r.grammar is not None and not r.grammar.accept(token):
             raise ConstraintFailed(r.grammar.param, f"the constraint failed at output token {len(r.output) + 1}: "
-                                                    f"{r.grammar.error.splitlines()[0]}")
+                                                    f"{r.grammar.error}")
         logprobs = []
         if r.params.logprobs is not None:
             logprobs = token_logprobs(logits[None], [token], r.params.logprobs)

@@ -200,7 +200,7 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        return _error(self.matcher)
 
 
 class GrammarCompiler:
@@ -227,10 +227,19 @@ class GrammarCompiler:
         started = time.perf_counter()
         matcher.compute_bitmask()
         took = time.perf_counter() - started
+        if matcher.is_error():              # e.g. a schema that only refers to itself
+            raise StructuredOutputError(constraint.param, _error(matcher))
         if took > FIRST_MASK_SECONDS:
             raise StructuredOutputError(constraint.param, f"too complex: the first token's mask took {took:.1f} s "
                                                           f"(at most {FIRST_MASK_SECONDS} s)")
         return GrammarMatcher(matcher, self.vocab_size, after, banned_before, constraint.param)
+
+
+def _error(matcher: llguidance.LLMatcher) -> str:
+    """llguidance's error, its first line (the rest dumps the parser's state), its "no token can extend the output"
+    in words."""
+    error = matcher.get_error().splitlines()[0] if matcher.get_error() else ""
+    return "unsatisfiable: no output can match it from here" if error == "NoExtensionBias" else error
 
 
 def _grammar(c: Constraint) -> str:

@@ -179,7 +179,9 @@ def test_invalid_constraints_raise_value_errors_naming_field_and_problem(compile
     cases = [({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "guided_json", "Unsatisfiable"),
              ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
              ({"guided_grammar": "start: foo"}, "guided_grammar", "unknown name"),
-             ({"guided_json": {"$ref": "#/$defs/missing"}}, "guided_json", "does not exist")]
+             ({"guided_json": {"$ref": "#/$defs/missing"}}, "guided_json", "does not exist"),
+             ({"guided_json": {"$ref": "#"}}, "guided_json", "unsatisfiable: no output can match it"),
+             ({"guided_grammar": 'start: a\na: a "x"'}, "guided_grammar", "unsatisfiable: no output can match it")]
     for body, param, problem in cases:
         with pytest.raises(StructuredOutputError, match="(?s)" + re.escape(f"'{param}'") + ".*" + problem):
             compiler.compile(constraint_from_request(body))
