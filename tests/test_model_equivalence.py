@@ -129,8 +129,8 @@ def test_prefill_attention_in_query_blocks_equals_all_at_once(tiny_dir, dtype, m
     budget, held = 1000, []
     monkeypatch.setattr(mla, "SCORES_PER_BLOCK", budget)
     real = mla._attend
-    monkeypatch.setattr(mla, "_attend", lambda q, c, v, *a: held.append(q.shape[1] * q.shape[2] * c.shape[1])
-                        or real(q, c, v, *a))
+    monkeypatch.setattr(mla, "_attend", lambda q, k, *a: held.append(q.shape[1] * q.shape[2] * k.shape[2])
+                        or real(q, k, *a))
     pool = StatePool(model.state_spec(), 1, len(ids))
     blocks = torch.cat([model(torch.tensor([ids[s:s + 128]]), pool.view([0], [s]), last_only=False)[0]
                         for s in range(0, len(ids), 128)])

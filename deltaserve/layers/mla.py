@@ -94,7 +94,7 @@ class MLAttention(nn.Module):
 
 
 # The most attention scores `latent_attention` holds at once (with the softmax's copies, 8-12 bytes each).
-SCORES_PER_BLOCK = 1 << 25
+SCORES_PER_BLOCK = 1 << 26
 
 
 def latent_attention(query: torch.Tensor, cache: torch.Tensor, query_pos: torch.Tensor, scale: float, rank: int
@@ -102,20 +102,23 @@ def latent_attention(query: torch.Tensor, cache: torch.Tensor, query_pos: torch.
     """softmax(q c^T * scale) c[:, :rank], the query at position query_pos[b, t] over the keys at positions <= it,
     with one latent key row shared by all heads (MQA): heads are folded into query rows, so the cache is read once
     per block of queries and never expanded per head. Queries go SCORES_PER_BLOCK scores at a time: a 512-token
-    prefill chunk of 32 heads over 128K positions would otherwise hold 2G scores (16-25 GB with the
-    softmax's copies). Each query's softmax is its own; only the matrix products see the blocks (a small block
-    can take another kernel, rounded differently)."""
+    prefill chunk of 32 heads over 128K positions would otherwise hold 2G scores (16-25 GB with the softmax's
+    copies). Each query's softmax is its own; only the matrix products see the blocks (a small block can take
+    another kernel, rounded differently)."""
     B, H, T, C = query.shape
-    keys = torch.arange(cache.shape[1], device=cache.device)
+    positions = torch.arange(cache.shape[1], device=cache.device)
     step = max(1, SCORES_PER_BLOCK // (B * H * cache.shape[1]))
-    blocks = [_attend(query[:, :, s:s + step], cache, keys <= query_pos[:, s:s + step, None], scale, rank)
-              for s in range(0, T, step)]
+    # in blocks, the keys transposed once: each block's product would transpose them again (bench: 32 heads,
+    # 32K positions, 16 blocks of a chunk: 5.3 -> 4.2 s)
+    keys = cache.transpose(1, 2) if step >= T else cache.transpose(1, 2).contiguous()
+    blocks = [_attend(query[:, :, s:s + step], keys, cache[..., :rank], positions <= query_pos[:, s:s + step, None],
+                      scale) for s in range(0, T, step)]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
 
 
-def _attend(query: torch.Tensor, cache: torch.Tensor, visible: torch.Tensor, scale: float, rank: int
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
             ) -> torch.Tensor:
     B, H, T, C = query.shape
-    scores = matmul(query.reshape(B, H * T, C), cache.transpose(1, 2)).view(B, H, T, -1) * scale
+    scores = matmul(query.reshape(B, H * T, C), keys).view(B, H, T, -1) * scale
     probs = scores.masked_fill_(~visible[:, None], float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
-    return matmul(probs.view(B, H * T, -1), cache[..., :rank]).view(B, H, T, rank)
+    return matmul(probs.view(B, H * T, -1), values).view(B, H, T, -1)
