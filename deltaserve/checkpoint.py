@@ -69,9 +69,14 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-        return [root / f for f in sorted(set(weight_map.values()))]
+        # shards are files of this directory (a hub snapshot's own may be links out of it; its index names are not)
+        outside = next((f for f in files if not isinstance(f, str) or Path(f).name != f), None)
+        if outside is not None:
+            raise CheckpointError(f"{index}: shard {outside!r} is not a file name in {root}")
+        return [root / f for f in files]
     files = [root / "model.safetensors"] if (root / "model.safetensors").exists() else sorted(root.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{root}: no model.safetensors, {INDEX} or *.safetensors files")

@@ -119,6 +119,8 @@ def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, fl
         for u in engine.step():
             if u.request is r and u.text:
                 print(u.text, end="", flush=True)
+    if r.finish_reason == "error":
+        raise RuntimeError(f"generation failed: {r.error}")
     prefill_s = r.first_token_at - t0
     decode_s = r.finished_at - r.first_token_at
     stats = {"cached": r.num_cached_tokens, "new": len(prompt) - r.num_cached_tokens,
@@ -364,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
         args.func = run_torchrun_worker
     try:
         args.func(args)
-    except (CheckpointError, ConfigError, TokenizerError, RequestError, ChatTemplateError, ValueError) as e:
+    except (CheckpointError, ConfigError, TokenizerError, RequestError, ChatTemplateError, ValueError, OSError,
+            RuntimeError) as e:       # OSError: paths (permissions, directories, loops); RuntimeError: generation
         print(f"deltaserve: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -48,6 +48,8 @@ def convert(src: str | Path, dst: str | Path, experts: str = "mxfp4", force: boo
     quantization = {**QUANTIZATION_CONFIG, "ignore": list(spec.mxfp4_ignore)}
     spec.parse_config(raw, {"quantization_config": quantization})          # divisibility checks up front
     routed = re.compile(spec.routed_experts)
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"{dst}: the destination is the source; convert into another directory")
     if dst.exists() and any(dst.iterdir()) and not force:
         raise FileExistsError(f"{dst}: not empty; pass --force to overwrite")
     tensors = scan(src)                                    # validates every shard before writing anything

@@ -401,9 +401,13 @@ class Engine:
 
     # ---- helpers -----------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> None:
-        """Step until all of `requests` have finished."""
+        """Step until all of `requests` (the engine's own: warmup's, a benchmark's) have finished; ModelFailure if
+        one failed, as the same request from a client would."""
         while any(r.status != Status.FINISHED for r in requests):
             self.step()
+        failed = next((r for r in requests if r.finish_reason == "error"), None)
+        if failed is not None:
+            raise ModelFailure(f"a request of the engine's own (warmup, benchmark) failed: {failed.error}")
 
     def warmup(self) -> None:
         """Capture the runner's CUDA graphs, then run every path a request can take (prefill chunks at position 0

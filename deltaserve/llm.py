@@ -119,6 +119,8 @@ class LLM:
                  prefill_tokens: int = 512, prefix_cache_bytes: int = 1 << 30, warmup: bool = False,
                  progress: bool | None = None, tensor_parallel_size: int = 1, quantization: str | None = None,
                  batch_invariant: bool = False, enforce_eager: bool | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: {max_num_seqs} must be at least 1")
         load = LoadConfig(str(model), dtype, device, chunk_size, hf_overrides, quantization)
         spec, cfg = load_config(model, hf_overrides)
         spec.check_tp(cfg, tensor_parallel_size)                 # refuse before any process or weight

@@ -3,11 +3,14 @@ HF `tokenizers`; plus incremental detokenization that never emits half a UTF-8 c
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import re
 from pathlib import Path
 from typing import Any
 
+# The most ids a tiktoken checkpoint's block of special tokens may span (Kimi's: 256)
+MAX_SPECIAL_BLOCK = 1 << 16
 # Kimi's pre-tokenizer (tokenization_kimi.py); `&&` class intersection needs tiktoken's fancy-regex engine.
 KIMI_PAT_STR = "|".join([
     r"""[\p{Han}]+""",
@@ -47,14 +50,13 @@ class Tokenizer:
 
     def _init_tiktoken(self, file: Path) -> None:
         import tiktoken
-        ranks: dict[bytes, int] = {}
-        for line in file.read_bytes().splitlines():
-            if line.strip():
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-        named = {int(i): t["content"] for i, t in self.config.get("added_tokens_decoder", {}).items()}
+        ranks = _read_ranks(file)
+        named = _named_specials(self.config)
         # The special block: the named ids and the reserved ones between them (Kimi: 256 ids after the ranks).
         block = range(min(named), max(named) + 1) if named else range(len(ranks), len(ranks) + 256)
+        if len(block) > MAX_SPECIAL_BLOCK or min(block) < 0:
+            raise TokenizerError(f"{file.parent / 'tokenizer_config.json'}: added_tokens_decoder spans ids "
+                                 f"{min(block)}..{max(block)}, not a block of at most {MAX_SPECIAL_BLOCK}")
         specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in block}
         # HF semantics: an added token marked "special": false (e.g. <think> in some Kimi releases) is kept by
         # skip_special_tokens; the reserved ids are special
@@ -169,6 +171,34 @@ class IncrementalDecoder:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before):]
+
+
+def _read_ranks(file: Path) -> dict[bytes, int]:
+    """tiktoken.model: one `<base64 token> <rank>` a line, ranks distinct."""
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(file.read_bytes().splitlines(), 1):
+        if line.strip():
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except (ValueError, binascii.Error):
+                raise TokenizerError(f"{file}: line {n} is not '<base64 token> <rank>'") from None
+    ids = set(ranks.values())
+    if not ranks or len(ids) != len(ranks) or min(ids) < 0 or max(ids) >= 2 ** 31:
+        raise TokenizerError(f"{file}: the ranks must be distinct ids in 0..2^31, one a line")
+    return ranks
+
+
+def _named_specials(config: dict[str, Any]) -> dict[int, str]:
+    """tokenizer_config.json's added_tokens_decoder: {"<id>": {"content": ...}} -> {id: content}."""
+    problem = TokenizerError('tokenizer_config.json: added_tokens_decoder must map ids to {"content": "<token>"}')
+    try:
+        named = {int(i): t["content"] for i, t in config.get("added_tokens_decoder", {}).items()}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise problem from None
+    if not all(isinstance(content, str) for content in named.values()):
+        raise problem
+    return named
 
 
 def _read_json(file: Path) -> dict[str, Any] | None:

@@ -33,3 +33,19 @@ def tiny_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_dir(tiny_dirs):
     return tiny_dirs["base"]
+
+
+@pytest.fixture(scope="session")
+def nan_dir(tiny_dir, tmp_path_factory):
+    """The tiny checkpoint with NaN token embeddings: it loads, but no distribution can be sampled from it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    nan = tmp_path_factory.mktemp("nan") / "ckpt"
+    shutil.copytree(tiny_dir, nan)
+    for shard in nan.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if "model.embed_tokens.weight" in tensors:
+            tensors["model.embed_tokens.weight"].fill_(float("nan"))
+            save_file(tensors, shard, metadata={"format": "pt"})
+    return nan

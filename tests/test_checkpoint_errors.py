@@ -88,3 +88,16 @@ def test_bad_config_value(ckpt, field, value, message):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=message):
         LLM(ckpt)
+
+
+@pytest.mark.parametrize("weight_map,message", [
+    ({NAME: "/etc/passwd"}, "shard '/etc/passwd' is not a file name in"),
+    ({NAME: "../model-00001-of-00002.safetensors"}, "is not a file name in"),
+    ({NAME: 3}, "is not a file name in"),
+    ([NAME], "not a valid safetensors index"),
+])
+def test_index_naming_shards_outside_the_checkpoint_or_malformed(ckpt, weight_map, message):
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=message):
+        LLM(ckpt)

@@ -105,3 +105,23 @@ def test_batch_invariant_flag_reaches_the_engine(tiny_dir):
     for flags, expected in (([], False), (["--batch-invariant"], True)):
         args = build_parser().parse_args(["serve", str(tiny_dir), "--max-num-seqs", "2", *flags])
         assert load_llm(args).engine.batch_invariant is expected
+
+
+def test_convert_into_its_own_source_is_refused_and_changes_nothing(tiny_dir):
+    before = {p.name: p.read_bytes() for p in tiny_dir.iterdir() if p.is_file()}
+    r = run("convert", str(tiny_dir), str(tiny_dir), "--experts", "mxfp4", "--force")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "the destination is the source" in r.stderr
+    assert {p.name: p.read_bytes() for p in tiny_dir.iterdir() if p.is_file()} == before
+
+
+def test_filesystem_errors_are_one_clear_line(tmp_path):
+    (tmp_path / "config.json").mkdir()
+    r = run("generate", str(tmp_path), "--prompt", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "config.json" in r.stderr
+
+
+def test_a_generation_that_fails_is_one_clear_line(nan_dir):
+    """NaN weights: sampling has no distribution to draw from; the command says so in one line."""
+    r = run("generate", str(nan_dir), "--prompt", "x", "--temperature", "1", "--max-tokens", "2", "--enforce-eager")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("deltaserve: error: generation failed:")

@@ -347,3 +347,17 @@ def test_stop_strings_can_be_kept_and_special_tokens_shown(llm, one_torch_thread
     assert llm.generate([ids], biased)[0].text == ""
     shown = llm.generate([ids], SamplingParams(**{**biased.__dict__, "skip_special_tokens": False}))[0]
     assert shown.text == "<|tool_call_begin|>" * 2
+
+
+@pytest.mark.parametrize("max_num_seqs", [0, -1])
+def test_an_engine_without_slots_is_refused_up_front(tiny_dir, max_num_seqs):
+    with pytest.raises(ValueError, match=f"max_num_seqs: {max_num_seqs} must be at least 1"):
+        LLM(tiny_dir, max_num_seqs=max_num_seqs)
+
+
+def test_a_model_whose_warmup_fails_is_refused_before_serving(nan_dir):
+    """NaN weights load, but the warmup's sampled request fails, as every sampled request would: the warmup raises
+    (the server then exits with that line) instead of turning healthy and failing every request."""
+    from deltaserve.runner import ModelFailure
+    with pytest.raises(ModelFailure, match="of the engine's own .* failed: .*probability tensor"):
+        LLM(nan_dir, warmup=True)

@@ -1,4 +1,6 @@
 """Tokenizer, streaming detokenization, chat templates and stop strings."""
+import re
+
 import pytest
 
 from deltaserve.chat import ChatTemplate, ChatTemplateError
@@ -172,3 +174,22 @@ def test_generation_config_gives_request_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"top_p": 0}')
     with pytest.raises(ValueError, match="top_p"):
         generation_defaults(tmp_path)
+
+
+@pytest.mark.parametrize("file,edit,message", [
+    ("tiktoken.model", lambda text: text + "not-a-line\n", "line 481 is not '<base64 token> <rank>'"),
+    ("tiktoken.model", lambda text: text + "YQ== 0\n", "the ranks must be distinct"),
+    ("tiktoken.model", lambda text: "", "the ranks must be distinct"),
+    ("tokenizer_config.json", lambda text: '{"added_tokens_decoder": {"0": {"content": "<a>"}, '
+                                           '"100000000": {"content": "<b>"}}}', "spans ids 0..100000000"),
+    ("tokenizer_config.json", lambda text: '{"added_tokens_decoder": {"x": {}}}', "must map ids to"),
+])
+def test_broken_tokenizer_files_are_named_errors_before_any_allocation(tmp_path, file, edit, message):
+    """A broken tiktoken.model or added_tokens_decoder is a TokenizerError naming the problem, not a traceback
+    from deep in tiktoken (a panic on duplicate ranks) or a block of 10^8 special tokens built first."""
+    from deltaserve.tiny import write_tokenizer
+    from deltaserve.tokenizer import TokenizerError
+    write_tokenizer(tmp_path, 512)
+    (tmp_path / file).write_text(edit((tmp_path / file).read_text()))
+    with pytest.raises(TokenizerError, match=re.escape(message)):
+        Tokenizer(tmp_path)
