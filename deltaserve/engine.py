@@ -401,13 +401,17 @@ class Engine:
 
     # ---- helpers -----------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> None:
-        """Step until all of `requests` (the engine's own: warmup's, a benchmark's) have finished; ModelFailure if
-        one failed, as the same request from a client would."""
+        """Step until all of `requests` have finished."""
         while any(r.status != Status.FINISHED for r in requests):
             self.step()
+
+    def _run_warmup(self, requests: list[Request]) -> None:
+        """run() warmup's requests; ModelFailure if one fails, as the same request from a client would (NaN
+        weights: every sampled request), so that a server never turns healthy on a model that cannot serve."""
+        self.run(requests)
         failed = next((r for r in requests if r.finish_reason == "error"), None)
         if failed is not None:
-            raise ModelFailure(f"a request of the engine's own (warmup, benchmark) failed: {failed.error}")
+            raise ModelFailure(f"a warmup request failed, as clients' would: {failed.error}")
 
     def warmup(self) -> None:
         """Capture the runner's CUDA graphs, then run every path a request can take (prefill chunks at position 0
@@ -421,11 +425,11 @@ class Engine:
         greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         sampled = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, seed=0, ignore_eos=True)
         if prompt:
-            self.run([self.add_request(prompt, greedy), self.add_request(prompt, sampled)])  # fresh, then full hit
-            self.run([self.add_request(prompt + [1, 2], greedy)])                             # partial restore
+            self._run_warmup([self.add_request(prompt, greedy), self.add_request(prompt, sampled)])  # then a hit
+            self._run_warmup([self.add_request(prompt + [1, 2], greedy)])                        # partial restore
         many = SamplingParams(max_tokens=min(self.max_num_seqs + 2, self.max_model_len - 1), temperature=0.0,
                               ignore_eos=True)
-        self.run([self.add_request([i % self.cfg.vocab_size + 1], many) for i in range(self.max_num_seqs)])
+        self._run_warmup([self.add_request([i % self.cfg.vocab_size + 1], many) for i in range(self.max_num_seqs)])
         short = min(3, self.max_model_len - 1)
         processed = SamplingParams(max_tokens=short, temperature=0.8, min_p=0.05, presence_penalty=0.5,
                                    frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={1: 1.0}, logprobs=2,
@@ -435,5 +439,5 @@ class Engine:
             grammar = self.grammar_compiler.compile(Constraint("json", {"type": "object"}, "warmup"))
             requests.append(self.add_request([3, 4], SamplingParams(max_tokens=short, temperature=0.0),
                                              grammar=grammar))
-        self.run(requests)
+        self._run_warmup(requests)
         self.cache.clear()

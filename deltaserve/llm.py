@@ -84,10 +84,11 @@ class RequestOutput:
     text: str
     num_cached_tokens: int
     finish_reason: str | None
+    error: str | None = None          # why, when finish_reason is "error"
 
     @classmethod
     def of(cls, r: Request) -> "RequestOutput":
-        return cls(r.prompt, list(r.output), r.text, r.num_cached_tokens, r.finish_reason)
+        return cls(r.prompt, list(r.output), r.text, r.num_cached_tokens, r.finish_reason, r.error)
 
 
 DEFAULT_MAX_MODEL_LEN = 32768

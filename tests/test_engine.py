@@ -359,5 +359,7 @@ def test_a_model_whose_warmup_fails_is_refused_before_serving(nan_dir):
     """NaN weights load, but the warmup's sampled request fails, as every sampled request would: the warmup raises
     (the server then exits with that line) instead of turning healthy and failing every request."""
     from deltaserve.runner import ModelFailure
-    with pytest.raises(ModelFailure, match="of the engine's own .* failed: .*probability tensor"):
+    with pytest.raises(ModelFailure, match="a warmup request failed, as clients' would: .*probability tensor"):
         LLM(nan_dir, warmup=True)
+    out = LLM(nan_dir).generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=1.0))[0]
+    assert out.finish_reason == "error" and "probability tensor" in out.error      # the Python API says why
