@@ -32,7 +32,9 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: Any) -> torch.dtype:
         return dtype
     name = cfg.torch_dtype if dtype == "auto" else dtype
     if name not in DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}" if dtype != "auto" else
+                         f"dtype auto: the checkpoint's config.json gives {name!r}, not one of {', '.join(DTYPES)}; "
+                         f"pass --dtype")
     return DTYPES[name]
 
 

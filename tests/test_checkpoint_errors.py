@@ -101,3 +101,11 @@ def test_index_naming_shards_outside_the_checkpoint_or_malformed(ckpt, weight_ma
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     with pytest.raises(CheckpointError, match=message):
         LLM(ckpt)
+
+
+def test_a_config_dtype_the_engine_cannot_run_names_the_config(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "int8"}))
+    with pytest.raises(ValueError, match="dtype auto: the checkpoint's config.json gives 'int8'"):
+        LLM(ckpt)
+    assert LLM(ckpt, dtype="float32").cfg.torch_dtype == "int8"          # an explicit dtype still loads it
