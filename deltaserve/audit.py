@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import INDEX, TensorInfo, scan
+from .checkpoint import INDEX, TensorInfo, checkpoint_files, scan
 from .distributed import TP
 from .models.registry import load_config
 from .models.spec import ModelSpec
@@ -50,6 +50,8 @@ def audit(path: str | Path, context: int = 4096, tp: int = 1, metadata_only: boo
     expected = expected_tensors(spec, cfg)
     index = json.loads((root / INDEX).read_text()) if (root / INDEX).exists() else None
     if metadata_only:     # config.json (and the index, if present): shapes and dtypes of the expected layout
+        if index:
+            checkpoint_files(root)                    # its shard names, checked as a load checks them
         weight_map = index["weight_map"] if index else dict.fromkeys(expected, "(not present)")
         tensors = {n: TensorInfo(root / f, *(expected.get(n, ((), "?"))[::-1])) for n, f in weight_map.items()}
     else:

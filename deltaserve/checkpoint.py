@@ -73,7 +73,8 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
         # shards are files of this directory (a hub snapshot's own may be links out of it; its index names are not)
-        outside = next((f for f in files if not isinstance(f, str) or Path(f).name != f), None)
+        outside = next((f for f in files if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")),
+                       None)
         if outside is not None:
             raise CheckpointError(f"{index}: shard {outside!r} is not a file name in {root}")
         return [root / f for f in files]

@@ -110,6 +110,10 @@ def load_llm(args: argparse.Namespace, warmup: bool = False, one_shot: bool = Fa
                batch_invariant=args.batch_invariant, enforce_eager=one_shot or args.enforce_eager or None)
 
 
+class GenerationFailed(RuntimeError):
+    """A request failed in the engine (its error says why); the others, and the model, go on."""
+
+
 def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, float]]:
     """Generate, printing text as it comes; returns the tokens, text and timing stats."""
     engine = llm.engine
@@ -120,7 +124,7 @@ def stream(llm, prompt: list[int], params) -> tuple[list[int], str, dict[str, fl
             if u.request is r and u.text:
                 print(u.text, end="", flush=True)
     if r.finish_reason == "error":
-        raise RuntimeError(f"generation failed: {r.error}")
+        raise GenerationFailed(f"generation failed: {r.error}")
     prefill_s = r.first_token_at - t0
     decode_s = r.finished_at - r.first_token_at
     stats = {"cached": r.num_cached_tokens, "new": len(prompt) - r.num_cached_tokens,
@@ -159,7 +163,12 @@ def cmd_chat(args: argparse.Namespace) -> None:
             continue
         messages.append({"role": "user", "content": line})
         prompt = llm.template.render_ids(llm.tokenizer, messages)
-        _, text, s = stream(llm, prompt, params)
+        try:
+            _, text, s = stream(llm, prompt, params)
+        except GenerationFailed as e:               # that reply is lost; the conversation goes on without it
+            print(f"\ndeltaserve: error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
         print()
         print(f"[in: {s['cached']} cached + {s['new']} new, prefill {s['prefill_tok_s']:.0f} tok/s, "
               f"decode {s['decode_tok_s']:.0f} tok/s, out: {s['out']}]", file=sys.stderr)
@@ -361,13 +370,14 @@ def main(argv: list[str] | None = None) -> None:
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .engine import RequestError
+    from .runner import ModelFailure
     from .tokenizer import TokenizerError
     if int(os.environ.get("RANK", "0")) > 0 and getattr(args, "tensor_parallel_size", 1) > 1:
         args.func = run_torchrun_worker
     try:
         args.func(args)
     except (CheckpointError, ConfigError, TokenizerError, RequestError, ChatTemplateError, ValueError, OSError,
-            RuntimeError) as e:       # OSError: paths (permissions, directories, loops); RuntimeError: generation
+            GenerationFailed, ModelFailure) as e:       # OSError: paths (permissions, directories, symlink loops)
         print(f"deltaserve: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -355,8 +355,10 @@ class Engine:
             masked = self._mask([r.grammar], logits.unsqueeze(0))[0]
         token = r.sampler(logits if masked is None else masked)
         if r.grammar is not None and not r.grammar.accept(token):
+            if not torch.isfinite((logits if masked is None else masked)[token]):   # a token the mask forbade, or
+                raise RuntimeError(f"token {token} broke the constraint: {r.grammar.error}")   # NaN logits: ours
             raise ConstraintFailed(r.grammar.param, f"the constraint failed at output token {len(r.output) + 1}: "
-                                                    f"{r.grammar.error}")
+                                                    f"{r.grammar.error}")        # its lexer gave up: the request's
         logprobs = []
         if r.params.logprobs is not None:
             logprobs = token_logprobs(logits[None], [token], r.params.logprobs)

@@ -51,7 +51,7 @@ class Tokenizer:
     def _init_tiktoken(self, file: Path) -> None:
         import tiktoken
         ranks = _read_ranks(file)
-        named = _named_specials(self.config)
+        named = _named_specials(self.config, file.parent / "tokenizer_config.json")
         # The special block: the named ids and the reserved ones between them (Kimi: 256 ids after the ranks).
         block = range(min(named), max(named) + 1) if named else range(len(ranks), len(ranks) + 256)
         if len(block) > MAX_SPECIAL_BLOCK or min(block) < 0:
@@ -174,24 +174,24 @@ class IncrementalDecoder:
 
 
 def _read_ranks(file: Path) -> dict[bytes, int]:
-    """tiktoken.model: one `<base64 token> <rank>` a line, ranks distinct."""
+    """tiktoken.model: one `<base64 token> <rank>` a line, tokens and ranks distinct."""
     ranks: dict[bytes, int] = {}
-    for n, line in enumerate(file.read_bytes().splitlines(), 1):
-        if line.strip():
-            try:
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
-            except (ValueError, binascii.Error):
-                raise TokenizerError(f"{file}: line {n} is not '<base64 token> <rank>'") from None
+    lines = [(n, line) for n, line in enumerate(file.read_bytes().splitlines(), 1) if line.strip()]
+    for n, line in lines:
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise TokenizerError(f"{file}: line {n} is not '<base64 token> <rank>'") from None
     ids = set(ranks.values())
-    if not ranks or len(ids) != len(ranks) or min(ids) < 0 or max(ids) >= 2 ** 31:
-        raise TokenizerError(f"{file}: the ranks must be distinct ids in 0..2^31, one a line")
+    if not ranks or not len(lines) == len(ranks) == len(ids) or min(ids) < 0 or max(ids) >= 2 ** 31:
+        raise TokenizerError(f"{file}: the tokens and their ranks must be distinct, the ranks in 0..2^31, one a line")
     return ranks
 
 
-def _named_specials(config: dict[str, Any]) -> dict[int, str]:
+def _named_specials(config: dict[str, Any], file: Path) -> dict[int, str]:
     """tokenizer_config.json's added_tokens_decoder: {"<id>": {"content": ...}} -> {id: content}."""
-    problem = TokenizerError('tokenizer_config.json: added_tokens_decoder must map ids to {"content": "<token>"}')
+    problem = TokenizerError(f'{file}: added_tokens_decoder must map ids to {{"content": "<token>"}}')
     try:
         named = {int(i): t["content"] for i, t in config.get("added_tokens_decoder", {}).items()}
     except (AttributeError, KeyError, TypeError, ValueError):

@@ -249,8 +249,14 @@ def _is_json(text: str) -> bool:
 
 
 def _loads(text: str) -> Any:
-    """json.loads of JSON proper: Python's also reads NaN, Infinity and 1e999 (as inf), which JSON has not."""
-    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    """json.loads of JSON proper: Python's also reads NaN, Infinity and 1e999 (as inf), which JSON has not; an
+    integer of over 4,300 digits, which Python refuses (a ValueError), is not JSON here either."""
+    try:
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:
+        raise json.JSONDecodeError(str(e), text, 0) from None
 
 
 def _not_json(word: str) -> Any:

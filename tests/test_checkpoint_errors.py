@@ -94,6 +94,8 @@ def test_bad_config_value(ckpt, field, value, message):
     ({NAME: "/etc/passwd"}, "shard '/etc/passwd' is not a file name in"),
     ({NAME: "../model-00001-of-00002.safetensors"}, "is not a file name in"),
     ({NAME: 3}, "is not a file name in"),
+    ({NAME: ".."}, "is not a file name in"),
+    ({NAME: ""}, "is not a file name in"),
     ([NAME], "not a valid safetensors index"),
 ])
 def test_index_naming_shards_outside_the_checkpoint_or_malformed(ckpt, weight_map, message):

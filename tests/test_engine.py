@@ -361,5 +361,13 @@ def test_a_model_whose_warmup_fails_is_refused_before_serving(nan_dir):
     from deltaserve.runner import ModelFailure
     with pytest.raises(ModelFailure, match="a warmup request failed, as clients' would: .*probability tensor"):
         LLM(nan_dir, warmup=True)
-    out = LLM(nan_dir).generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=1.0))[0]
+    llm = LLM(nan_dir)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=1.0))[0]
     assert out.finish_reason == "error" and "probability tensor" in out.error      # the Python API says why
+    # greedy under a constraint: argmax of NaN logits takes a token the mask forbade; the model's fault, not the
+    # request's (no error_param: the server answers 500, not a 400 blaming the constraint)
+    from deltaserve.structured import Constraint
+    grammar = llm.engine.grammar_compiler.compile(Constraint("json", {"type": "object"}, "guided_json"))
+    r = llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0), grammar=grammar)
+    llm.engine.run([r])
+    assert r.finish_reason == "error" and r.error_param is None and "broke the constraint" in r.error

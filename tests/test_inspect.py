@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from deltaserve.audit import audit
+from deltaserve.checkpoint import CheckpointError
 from deltaserve.cli import main
 from deltaserve.config import ConfigError
 from deltaserve.convert import QUANTIZATION_CONFIG
@@ -87,3 +88,12 @@ def test_indivisible_tensor_parallel_configuration_is_refused(tiny_dir):
     spec.check_tp(cfg, 2)
     with pytest.raises(ConfigError, match=r"linear_attn_config.num_heads \(KDA heads\) = 2 is not divisible by 4"):
         spec.check_tp(cfg, 4)
+
+
+def test_metadata_only_checks_the_index_shard_names(tiny_dir, tmp_path):
+    shutil.copy(Path(tiny_dir) / "config.json", tmp_path / "config.json")
+    index = json.loads((Path(tiny_dir) / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {name: 7 for name in index["weight_map"]}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="is not a file name in"):
+        audit(tmp_path, metadata_only=True)

@@ -178,8 +178,9 @@ def test_generation_config_gives_request_defaults(tmp_path):
 
 @pytest.mark.parametrize("file,edit,message", [
     ("tiktoken.model", lambda text: text + "not-a-line\n", "line 481 is not '<base64 token> <rank>'"),
-    ("tiktoken.model", lambda text: text + "YQ== 0\n", "the ranks must be distinct"),
-    ("tiktoken.model", lambda text: "", "the ranks must be distinct"),
+    ("tiktoken.model", lambda text: text + "YQ== 0\n", "the tokens and their ranks must be distinct"),
+    ("tiktoken.model", lambda text: text + "YQ== 100000\n", "the tokens and their ranks must be distinct"),
+    ("tiktoken.model", lambda text: "", "the tokens and their ranks must be distinct"),
     ("tokenizer_config.json", lambda text: '{"added_tokens_decoder": {"0": {"content": "<a>"}, '
                                            '"100000000": {"content": "<b>"}}}', "spans ids 0..100000000"),
     ("tokenizer_config.json", lambda text: '{"added_tokens_decoder": {"x": {}}}', "must map ids to"),

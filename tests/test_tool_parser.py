@@ -154,7 +154,8 @@ def test_lone_surrogates_in_tagged_arguments_stay_escaped():
 @pytest.mark.parametrize("body", ['{"arguments": {}}', "{not json}", "plain words",
                                   "<function=f><parameter=a>1</parameter> stray text</function>",
                                   '{"name": "\\ud800", "arguments": {}}', '{"name": "f", "arguments": {"a": NaN}}',
-                                  '{"name": "f", "arguments": {"a": 1e999}}'])
+                                  '{"name": "f", "arguments": {"a": 1e999}}',
+                                  '{"name": "f", "arguments": {"a": ' + "1" * 5000 + '}}'])
 def test_malformed_tag_region_is_content(body, caplog):
     text = f"Before <tool_call>{body}</tool_call>"
     with caplog.at_level(logging.WARNING, logger="deltaserve.tool_parser"):
