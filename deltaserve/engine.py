@@ -353,10 +353,11 @@ class Engine:
         it, decode text, and decide whether the request is done."""
         if masked is None and r.grammar is not None and r.grammar.constrains:
             masked = self._mask([r.grammar], logits.unsqueeze(0))[0]
-        token = r.sampler(logits if masked is None else masked)
+        sampled_from = logits if masked is None else masked
+        token = r.sampler(sampled_from)
         if r.grammar is not None and not r.grammar.accept(token):
-            if not torch.isfinite((logits if masked is None else masked)[token]):   # a token the mask forbade, or
-                raise RuntimeError(f"token {token} broke the constraint: {r.grammar.error}")   # NaN logits: ours
+            if not torch.isfinite(sampled_from[token]):          # a token the mask forbade, or NaN logits: ours
+                raise RuntimeError(f"token {token} broke the constraint: {r.grammar.error}")
             raise ConstraintFailed(r.grammar.param, f"the constraint failed at output token {len(r.output) + 1}: "
                                                     f"{r.grammar.error}")        # its lexer gave up: the request's
         logprobs = []

@@ -51,11 +51,12 @@ class Tokenizer:
     def _init_tiktoken(self, file: Path) -> None:
         import tiktoken
         ranks = _read_ranks(file)
-        named = _named_specials(self.config, file.parent / "tokenizer_config.json")
+        config_file = file.parent / "tokenizer_config.json"
+        named = _named_specials(self.config, config_file)
         # The special block: the named ids and the reserved ones between them (Kimi: 256 ids after the ranks).
         block = range(min(named), max(named) + 1) if named else range(len(ranks), len(ranks) + 256)
         if len(block) > MAX_SPECIAL_BLOCK or min(block) < 0:
-            raise TokenizerError(f"{file.parent / 'tokenizer_config.json'}: added_tokens_decoder spans ids "
+            raise TokenizerError(f"{config_file}: added_tokens_decoder spans ids "
                                  f"{min(block)}..{max(block)}, not a block of at most {MAX_SPECIAL_BLOCK}")
         specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in block}
         # HF semantics: an added token marked "special": false (e.g. <think> in some Kimi releases) is kept by
